@@ -1,0 +1,118 @@
+"""Lightning callbacks: sparse rewiring, peak GPU memory, epoch time."""
+
+from __future__ import annotations
+
+import time
+
+import lightning.pytorch as pl
+import torch
+
+
+class Rewiring(pl.Callback):
+    """Prune-and-regrow (SET) for every layer with a `rewire` method.
+
+    Every `every_n_steps` optimizer steps (or at the start of every epoch but the first), the `fraction` of
+    sparse weights with the smallest magnitude get new random sources. As in the authors' code the weight value
+    is kept and Adam's moments at the rewired slots are zeroed. The generator is seeded once and checkpointed,
+    so a resumed run and every DDP rank draw the same connections.
+    """
+
+    def __init__(self, fraction: float, every_n_steps: int | None = None, every_epoch: bool = False, seed: int = 0):
+        self.fraction = fraction
+        self.every_n_steps = every_n_steps
+        self.every_epoch = every_epoch
+        self.generator = torch.Generator().manual_seed(seed)
+        self.rewirings = 0
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        step = trainer.global_step
+        if self.every_n_steps and step > 0 and step % self.every_n_steps == 0:
+            self.rewire(trainer, pl_module)
+
+    def on_train_epoch_start(self, trainer, pl_module):
+        if self.every_epoch and trainer.current_epoch > 0:
+            self.rewire(trainer, pl_module)
+
+    @torch.no_grad()
+    def rewire(self, trainer, pl_module):
+        if self.fraction <= 0:
+            return
+        optimizer = trainer.optimizers[0] if trainer.optimizers else None
+        for layer in pl_module.sparse_layers():
+            slots = layer.rewire(self.fraction, self.generator)
+            state = optimizer.state.get(layer.weight, {}) if optimizer is not None else {}
+            for key in ("exp_avg", "exp_avg_sq"):
+                if key in state:
+                    state[key].view(-1)[slots.to(state[key].device)] = 0
+        self.rewirings += 1
+
+    def state_dict(self):
+        return {"generator": self.generator.get_state(), "rewirings": self.rewirings}
+
+    def load_state_dict(self, state_dict):
+        self.generator.set_state(state_dict["generator"])
+        self.rewirings = state_dict["rewirings"]
+
+
+class PeakMemory(pl.Callback):
+    """Peak GPU memory (torch.cuda.max_memory_allocated, GiB), reset at fit start, logged every epoch.
+
+    On a CPU run there is no such counter: `peak_gib` stays None and nothing is logged.
+    """
+
+    def __init__(self):
+        self.peak_gib: float | None = None
+
+    @staticmethod
+    def _device(pl_module):
+        return pl_module.device if pl_module.device.type == "cuda" else None
+
+    def on_fit_start(self, trainer, pl_module):
+        if self._device(pl_module) is not None:
+            torch.cuda.reset_peak_memory_stats(pl_module.device)
+
+    def on_train_epoch_end(self, trainer, pl_module):
+        self.update(pl_module)
+        if self.peak_gib is not None:
+            pl_module.log("peak_gpu_memory_gib", self.peak_gib, rank_zero_only=True)
+
+    def update(self, pl_module):
+        device = self._device(pl_module)
+        if device is not None:
+            self.peak_gib = torch.cuda.max_memory_allocated(device) / 2**30
+
+
+class EpochTime(pl.Callback):
+    """Wall seconds per epoch. `time_per_epoch_s` follows the paper: whole fit time / epochs (evaluation included)."""
+
+    def __init__(self):
+        self.fit_seconds = 0.0
+        self.epochs = 0
+        self._fit_start = self._epoch_start = None
+
+    def on_fit_start(self, trainer, pl_module):
+        self._fit_start = time.perf_counter()
+
+    def on_train_epoch_start(self, trainer, pl_module):
+        self._epoch_start = time.perf_counter()
+
+    def on_train_epoch_end(self, trainer, pl_module):
+        pl_module.log("epoch_time_s", time.perf_counter() - self._epoch_start, rank_zero_only=True)
+
+    def on_validation_epoch_end(self, trainer, pl_module):
+        if not trainer.sanity_checking:
+            self.epochs = trainer.current_epoch + 1
+
+    def on_fit_end(self, trainer, pl_module):
+        self.fit_seconds += time.perf_counter() - self._fit_start
+
+    @property
+    def time_per_epoch_s(self) -> float:
+        return self.fit_seconds / max(self.epochs, 1)
+
+    def state_dict(self):  # a resumed run keeps counting the time already spent
+        running = time.perf_counter() - self._fit_start if self._fit_start is not None else 0.0
+        return {"fit_seconds": self.fit_seconds + running}
+
+    def load_state_dict(self, state_dict):
+        self.fit_seconds = state_dict["fit_seconds"]

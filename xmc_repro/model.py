@@ -1,0 +1,169 @@
+"""The classifier: Dropout -> [Linear(intermediate) + ReLU] -> last layer, trained as a LightningModule."""
+
+from __future__ import annotations
+
+import lightning.pytorch as pl
+import torch
+from torch import nn
+
+from xmc_repro.errors import ConfigError
+from xmc_repro.losses import build_loss
+from xmc_repro.metrics import XMCMetrics
+
+HEADS = ("dense", "uniform", "unstructured", "bottleneck", "mach")
+
+
+class NonFiniteLossError(RuntimeError):
+    """The training loss became NaN or Inf; the run stops at this step."""
+
+
+def build_head(head: str, in_features: int, num_labels: int, model_cfg) -> nn.Module:
+    """The last layer named by `model.head`."""
+    if head == "dense":
+        return nn.Linear(in_features, num_labels)
+    if head == "bottleneck":
+        size = _positive(model_cfg.get("bottleneck"), "model.bottleneck")
+        # Linear low-rank factorisation, as the authors' 64-unit bottleneck rows: no activation in between.
+        return nn.Sequential(nn.Linear(in_features, size, bias=False), nn.Linear(size, num_labels))
+    if head in ("uniform", "unstructured"):
+        from xmc_repro.sparse import UniformSparseLinear, UnstructuredSparseLinear
+
+        connectivity = _positive(model_cfg.get("connectivity"), "model.connectivity")
+        layer = UniformSparseLinear if head == "uniform" else UnstructuredSparseLinear
+        return layer(in_features, num_labels, connectivity)
+    if head == "mach":
+        from xmc_repro.mach import MachHead
+
+        mach = model_cfg.get("mach") or {}
+        return MachHead(in_features, num_labels, int(mach["num_hashes"]), int(mach["num_buckets"]))
+    raise ConfigError(f"model.head={head!r} is unknown; choose one of {', '.join(HEADS)} (e.g. model=uniform)")
+
+
+def _positive(value, setting: str) -> int:
+    if value is None or int(value) <= 0:
+        raise ConfigError(f"{setting}={value!r} must be a positive integer; set e.g. {setting}=32")
+    return int(value)
+
+
+class XMCClassifier(pl.LightningModule):
+    """Extreme multi-label classifier over fixed input embeddings.
+
+    `forward` returns label scores (batch, labels). The loss is built on the device from the CSR label lists of
+    the batch; validation streams P@k through `XMCMetrics` and logs `val/p_at_3` for LR halving and early stop.
+    """
+
+    def __init__(
+        self,
+        num_features: int,
+        num_labels: int,
+        head: str = "uniform",
+        connectivity: int | None = 32,
+        intermediate: int | None = None,
+        bottleneck: int | None = None,
+        mach: dict | None = None,
+        dropout: float = 0.1,
+        loss: str = "squared_hinge",
+        lr: float = 1e-3,
+        lr_factor: float = 0.5,
+        lr_patience: int = 2,
+        lr_threshold: float = 1e-3,
+        min_lr: float = 1e-4,
+        inv_propensity=None,
+    ):
+        super().__init__()
+        self.save_hyperparameters(ignore=["inv_propensity"])
+        layers: list[nn.Module] = [nn.Dropout(dropout)]
+        width = num_features
+        if intermediate is not None:
+            width = _positive(intermediate, "model.intermediate")
+            layers += [nn.Linear(num_features, width), nn.ReLU()]
+        self.encoder = nn.Sequential(*layers)
+        model_cfg = {"connectivity": connectivity, "bottleneck": bottleneck, "mach": mach}
+        self.head = build_head(head, width, num_labels, model_cfg)
+        self.loss_fn = build_loss(loss)
+        self.val_metrics = XMCMetrics(num_labels, ks=(1, 3, 5), inv_propensity=inv_propensity)
+
+    @property
+    def is_mach(self) -> bool:
+        return self.hparams.head == "mach"
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Label scores; for MACH the decoded label scores."""
+        out = self.head(self.encoder(x))
+        return self.head.decode(out) if self.is_mach else out
+
+    def training_step(self, batch, batch_idx):
+        x, label_ptr, label_idx = batch
+        scores = self.head(self.encoder(x))
+        if self.is_mach:  # MACH trains its meta-classifiers on hashed labels
+            label_ptr, label_idx = self.head.meta_labels(label_ptr, label_idx)
+        loss = self.loss_fn(scores, label_ptr, label_idx)
+        if not torch.isfinite(loss):
+            raise NonFiniteLossError(
+                f"the training loss is {loss.item()} at step {self.global_step} (epoch {self.current_epoch}); "
+                "lower trainer.lr or check the input features for extreme values"
+            )
+        self.log("train/loss", loss, prog_bar=True, on_step=True, on_epoch=True, batch_size=x.shape[0])
+        return loss
+
+    def validation_step(self, batch, batch_idx):
+        x, label_ptr, label_idx = batch
+        self.val_metrics.update(self(x), label_ptr, label_idx)
+
+    def on_validation_epoch_start(self):
+        self.val_metrics.reset()
+
+    def on_validation_epoch_end(self):
+        result = self.val_metrics.compute()
+        # Metrics are percentages; sync averages them over DDP ranks (equal shards).
+        for k in (1, 3, 5):
+            self.log(f"val/p_at_{k}", float(result[f"p_at_{k}"]), prog_bar=k == 3, sync_dist=True)
+
+    def configure_optimizers(self):
+        hp = self.hparams
+        optimizer = torch.optim.Adam(self.parameters(), lr=hp.lr)
+        # The authors' thresholds are in P@3 as a fraction; our metrics are in percent.
+        scheduler = torch.optim.lr_scheduler.ReduceLROnPlateau(
+            optimizer,
+            mode="max",
+            factor=hp.lr_factor,
+            patience=hp.lr_patience,
+            threshold=hp.lr_threshold * 100,
+            threshold_mode="abs",
+            min_lr=hp.min_lr,
+        )
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "monitor": "val/p_at_3"}}
+
+    def sparse_layers(self):
+        """Layers that rewire (uniform and unstructured heads)."""
+        return [m for m in self.modules() if hasattr(m, "rewire")]
+
+    @torch.no_grad()
+    def evaluate(self, loader, inv_propensity=None, max_points: int | None = None) -> dict[str, float]:
+        """P@k, nDCG@k, PSP@k (percent) over `loader`, streamed batch by batch."""
+        was_training = self.training
+        self.eval()
+        metrics = XMCMetrics(self.hparams.num_labels, ks=(1, 3, 5), inv_propensity=inv_propensity)
+        seen = 0
+        for x, label_ptr, label_idx in loader:
+            if max_points is not None and seen >= max_points:
+                break
+            x, label_ptr, label_idx = (t.to(self.device) for t in (x, label_ptr, label_idx))
+            metrics.update(self(x), label_ptr, label_idx)
+            seen += x.shape[0]
+        self.train(was_training)
+        return {k: float(v) for k, v in metrics.compute().items()}
+
+
+def param_count(module: nn.Module) -> int:
+    return sum(p.numel() for p in module.parameters())
+
+
+def describe(model: XMCClassifier) -> str:
+    hp = model.hparams
+    parts = [f"{hp.head} head"]
+    if hp.connectivity and hp.head in ("uniform", "unstructured"):
+        parts.append(f"{hp.connectivity} per label")
+    if hp.intermediate:
+        parts.append(f"intermediate {hp.intermediate}")
+    return f"{', '.join(parts)}; {param_count(model) / 1e6:.2f}M parameters"
