@@ -109,6 +109,7 @@ def run(cfg: DictConfig) -> dict:
         num_workers=int(cfg.trainer.num_workers),
         seed=int(cfg.seed),
         validate_on=cfg.validate_on,
+        eval_batch_size=int(cfg.trainer.eval_batch_size),
     )
     dm.setup("fit")
     model = build_model(cfg, dm)
