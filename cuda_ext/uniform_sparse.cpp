@@ -1,0 +1,199 @@
+// Uniform (fixed fan-in) sparse linear layer: op schema and CPU kernels.
+//   out[b, j] = sum_k weight[k, j] * x[b, indices[k, j]] + bias[j]
+// indices/weight are (connectivity, out_features); see README.md for the layout reasoning.
+#include <ATen/Dispatch.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <vector>
+
+#include "uniform_sparse.h"
+
+namespace xmc_sparse {
+namespace {
+
+constexpr int64_t kTile = 64;  // labels per task: the tile's indices/weights stay in L1/L2
+
+// The batch is split into chunks of bc rows and each chunk stored transposed, xc (chunks, in, bc):
+// one connection's gather reads bc contiguous values, and a chunk (in * bc values, about 256 KiB)
+// stays in L2 while all labels gather from it. A chunk beyond the batch is zero-padded.
+int64_t batch_chunk(int64_t batch, int64_t in_features) {
+  constexpr int64_t kChunkValues = 64 * 1024;
+  return std::clamp<int64_t>(kChunkValues / std::max<int64_t>(in_features, 1), 1, std::max<int64_t>(batch, 1));
+}
+
+at::Tensor chunked_transpose(const at::Tensor& x, int64_t bc) {
+  const int64_t batch = x.size(0), in = x.size(1), chunks = (batch + bc - 1) / bc;
+  at::Tensor rows = x;
+  if (chunks * bc != batch) {
+    rows = x.new_zeros({chunks * bc, in});
+    rows.narrow(0, 0, batch).copy_(x);
+  }
+  return rows.view({chunks, bc, in}).transpose(1, 2).contiguous();
+}
+
+// Forward: per tile of labels and batch chunk, accumulate (tile, bc) sums from xc rows, then
+// write out[b, tile] row-wise.
+template <typename T>
+void forward_cpu_kernel(const T* xc, const int32_t* idx, const T* w, const T* bias, T* out, int64_t batch,
+                        int64_t bc, int64_t in_features, int64_t conn, int64_t labels) {
+  const int64_t tiles = (labels + kTile - 1) / kTile;
+  at::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) {
+    std::vector<T> acc(kTile * bc);
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t j0 = t * kTile, n = std::min(kTile, labels - j0);
+      for (int64_t c0 = 0; c0 < batch; c0 += bc) {
+        const T* xt = xc + (c0 / bc) * in_features * bc;
+        for (int64_t jj = 0; jj < n; ++jj) std::fill_n(&acc[jj * bc], bc, bias ? bias[j0 + jj] : T(0));
+        for (int64_t k = 0; k < conn; ++k) {
+          const int32_t* ik = idx + k * labels + j0;
+          const T* wk = w + k * labels + j0;
+          for (int64_t jj = 0; jj < n; ++jj) {
+            const T* xr = xt + static_cast<int64_t>(ik[jj]) * bc;
+            const T wv = wk[jj];
+            T* a = &acc[jj * bc];
+            for (int64_t b = 0; b < bc; ++b) a[b] += wv * xr[b];
+          }
+        }
+        const int64_t nb = std::min(bc, batch - c0);
+        for (int64_t b = 0; b < nb; ++b)
+          for (int64_t jj = 0; jj < n; ++jj) out[(c0 + b) * labels + j0 + jj] = acc[jj * bc + b];
+      }
+    }
+  });
+}
+
+// Backward to the inputs: each task owns a range of batch rows of grad_x (no races). Labels whose
+// output gradient is exactly zero are skipped before touching their indices or weights.
+template <typename T>
+void backward_input_cpu_kernel(const T* g, const int32_t* idx, const T* w, T* gx, int64_t batch,
+                               int64_t conn, int64_t labels, int64_t in_features) {
+  at::parallel_for(0, batch, 1, [&](int64_t b0, int64_t b1) {
+    std::vector<int64_t> nz_j(kTile);
+    std::vector<T> nz_g(kTile);
+    for (int64_t j0 = 0; j0 < labels; j0 += kTile) {
+      const int64_t n = std::min(kTile, labels - j0);
+      for (int64_t b = b0; b < b1; ++b) {
+        const T* gb = g + b * labels + j0;
+        int64_t m = 0;
+        for (int64_t jj = 0; jj < n; ++jj)
+          if (gb[jj] != T(0)) { nz_j[m] = j0 + jj; nz_g[m] = gb[jj]; ++m; }
+        if (m == 0) continue;
+        T* gxb = gx + b * in_features;
+        for (int64_t k = 0; k < conn; ++k) {
+          const int32_t* ik = idx + k * labels;
+          const T* wk = w + k * labels;
+          for (int64_t q = 0; q < m; ++q) gxb[ik[nz_j[q]]] += wk[nz_j[q]] * nz_g[q];
+        }
+      }
+    }
+  });
+}
+
+// Backward to the weights: per tile, gather the tile's gradient as (tile, padded batch); a label
+// whose gradient column is all zero gets zeros without loading any index or input, and batch
+// chunks in which a label's gradient is zero are skipped. Chunk-outer order keeps xc's chunk in L2.
+template <typename T>
+void backward_weight_cpu_kernel(const T* g, const T* xc, const int32_t* idx, T* gw, int64_t batch, int64_t bc,
+                                int64_t in_features, int64_t conn, int64_t labels) {
+  const int64_t tiles = (labels + kTile - 1) / kTile;
+  const int64_t chunks = (batch + bc - 1) / bc, bpad = chunks * bc;
+  at::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) {
+    std::vector<T> gt(kTile * bpad, T(0));
+    std::vector<T> acc(kTile * conn);
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t j0 = t * kTile, n = std::min(kTile, labels - j0);
+      for (int64_t b = 0; b < batch; ++b)
+        for (int64_t jj = 0; jj < n; ++jj) gt[jj * bpad + b] = g[b * labels + j0 + jj];
+      std::fill_n(acc.begin(), n * conn, T(0));
+      for (int64_t c = 0; c < chunks; ++c) {
+        const T* xt = xc + c * in_features * bc;
+        for (int64_t jj = 0; jj < n; ++jj) {
+          const T* gj = &gt[jj * bpad + c * bc];
+          bool any = false;
+          for (int64_t b = 0; b < bc; ++b) any |= gj[b] != T(0);
+          if (!any) continue;
+          T* aj = &acc[jj * conn];
+          for (int64_t k = 0; k < conn; ++k) {
+            const T* xr = xt + static_cast<int64_t>(idx[k * labels + j0 + jj]) * bc;
+            T sum = 0;
+            for (int64_t b = 0; b < bc; ++b) sum += gj[b] * xr[b];
+            aj[k] += sum;
+          }
+        }
+      }
+      for (int64_t k = 0; k < conn; ++k)
+        for (int64_t jj = 0; jj < n; ++jj) gw[k * labels + j0 + jj] = acc[jj * conn + k];
+    }
+  });
+}
+
+at::Tensor forward_cpu(const at::Tensor& x, const at::Tensor& indices, const at::Tensor& weight,
+                       const std::optional<at::Tensor>& bias) {
+  check_forward(x, indices, weight, bias);
+  const int64_t batch = x.size(0), conn = indices.size(0), labels = indices.size(1);
+  auto out = x.new_empty({batch, labels});
+  if (batch == 0) return out;
+  const int64_t bc = batch_chunk(batch, x.size(1));
+  const auto xc = chunked_transpose(x, bc);
+  AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "uniform_sparse_forward_cpu", [&] {
+    forward_cpu_kernel<scalar_t>(xc.const_data_ptr<scalar_t>(), indices.const_data_ptr<int32_t>(),
+                                 weight.const_data_ptr<scalar_t>(),
+                                 bias.has_value() ? bias->const_data_ptr<scalar_t>() : nullptr,
+                                 out.mutable_data_ptr<scalar_t>(), batch, bc, x.size(1), conn, labels);
+  });
+  return out;
+}
+
+at::Tensor backward_input_cpu(const at::Tensor& grad_out, const at::Tensor& indices, const at::Tensor& weight,
+                              int64_t in_features) {
+  check_structure(indices, weight);
+  check_grad(grad_out, indices);
+  TORCH_CHECK(weight.scalar_type() == grad_out.scalar_type(), "weight dtype must equal grad_out dtype");
+  const int64_t batch = grad_out.size(0), conn = indices.size(0), labels = indices.size(1);
+  auto grad_x = grad_out.new_zeros({batch, in_features});
+  if (batch == 0) return grad_x;
+  AT_DISPATCH_FLOATING_TYPES(grad_out.scalar_type(), "uniform_sparse_backward_input_cpu", [&] {
+    backward_input_cpu_kernel<scalar_t>(grad_out.const_data_ptr<scalar_t>(), indices.const_data_ptr<int32_t>(),
+                                        weight.const_data_ptr<scalar_t>(), grad_x.mutable_data_ptr<scalar_t>(),
+                                        batch, conn, labels, in_features);
+  });
+  return grad_x;
+}
+
+at::Tensor backward_weight_cpu(const at::Tensor& grad_out, const at::Tensor& x, const at::Tensor& indices) {
+  check_grad(grad_out, indices);
+  check_dense(x, indices, "x");
+  TORCH_CHECK(indices.dim() == 2 && indices.scalar_type() == at::kInt && indices.is_contiguous(),
+              "indices must be contiguous int32 (connectivity, out_features)");
+  TORCH_CHECK(x.size(0) == grad_out.size(0) && x.scalar_type() == grad_out.scalar_type(),
+              "x and grad_out must share batch size and dtype");
+  const int64_t batch = grad_out.size(0), conn = indices.size(0), labels = indices.size(1);
+  auto grad_w = grad_out.new_empty({conn, labels});
+  if (batch == 0) return grad_w.zero_();
+  const int64_t bc = batch_chunk(batch, x.size(1));
+  const auto xc = chunked_transpose(x, bc);
+  AT_DISPATCH_FLOATING_TYPES(grad_out.scalar_type(), "uniform_sparse_backward_weight_cpu", [&] {
+    backward_weight_cpu_kernel<scalar_t>(grad_out.const_data_ptr<scalar_t>(), xc.const_data_ptr<scalar_t>(),
+                                         indices.const_data_ptr<int32_t>(), grad_w.mutable_data_ptr<scalar_t>(),
+                                         batch, bc, x.size(1), conn, labels);
+  });
+  return grad_w;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(xmc_sparse, m) {
+  m.def("forward(Tensor x, Tensor indices, Tensor weight, Tensor? bias) -> Tensor");
+  m.def("backward_input(Tensor grad_out, Tensor indices, Tensor weight, SymInt in_features) -> Tensor");
+  m.def("backward_weight(Tensor grad_out, Tensor x, Tensor indices) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(xmc_sparse, CPU, m) {
+  m.impl("forward", &forward_cpu);
+  m.impl("backward_input", &backward_input_cpu);
+  m.impl("backward_weight", &backward_weight_cpu);
+}
+
+}  // namespace xmc_sparse

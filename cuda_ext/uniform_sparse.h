@@ -1,0 +1,44 @@
+// Shared argument checks of the uniform sparse op (CPU and CUDA kernels).
+// The Python wrapper gives friendlier messages; these guard direct torch.ops calls.
+#pragma once
+#include <ATen/core/Tensor.h>  // not ATen/ATen.h: halves the compile time
+#include <limits>
+#include <optional>
+
+namespace xmc_sparse {
+
+inline void check_structure(const at::Tensor& indices, const at::Tensor& weight) {
+  TORCH_CHECK(indices.dim() == 2, "indices must be 2-D (connectivity, out_features)");
+  TORCH_CHECK(indices.scalar_type() == at::kInt, "indices must be int32");
+  TORCH_CHECK(indices.is_contiguous() && weight.is_contiguous(), "indices and weight must be contiguous");
+  TORCH_CHECK(weight.sizes() == indices.sizes(), "weight shape must equal indices shape");
+  TORCH_CHECK(weight.device() == indices.device(), "weight and indices must be on one device");
+  TORCH_CHECK(indices.numel() < std::numeric_limits<int32_t>::max(),
+              "connectivity * out_features must be < 2**31");
+}
+
+inline void check_dense(const at::Tensor& t, const at::Tensor& like, const char* name) {
+  TORCH_CHECK(t.dim() == 2, name, " must be 2-D");
+  TORCH_CHECK(t.is_contiguous(), name, " must be contiguous");
+  TORCH_CHECK(t.scalar_type() == at::kFloat || t.scalar_type() == at::kDouble, name, " must be float32/float64");
+  TORCH_CHECK(t.device() == like.device(), name, " must be on the device of indices");
+}
+
+inline void check_forward(const at::Tensor& x, const at::Tensor& indices, const at::Tensor& weight,
+                          const std::optional<at::Tensor>& bias) {
+  check_structure(indices, weight);
+  check_dense(x, indices, "x");
+  TORCH_CHECK(weight.scalar_type() == x.scalar_type(), "weight dtype must equal x dtype");
+  if (bias.has_value()) {
+    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == indices.size(1), "bias must have shape (out_features,)");
+    TORCH_CHECK(bias->scalar_type() == x.scalar_type() && bias->is_contiguous(), "bias: dtype of x, contiguous");
+    TORCH_CHECK(bias->device() == x.device(), "bias must be on the device of x");
+  }
+}
+
+inline void check_grad(const at::Tensor& grad_out, const at::Tensor& indices) {
+  check_dense(grad_out, indices, "grad_out");
+  TORCH_CHECK(grad_out.size(1) == indices.size(1), "grad_out must have out_features columns");
+}
+
+}  // namespace xmc_sparse

@@ -1,0 +1,174 @@
+"""Sparse layers: initialisation, forward/backward against dense twins, rewiring."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from xmc_repro.sparse import UniformSparseLinear, UnstructuredSparseLinear
+from xmc_repro.sparse import reference as ref
+from xmc_repro.sparse.rewire import redraw_sources, sample_uniform_sources
+
+DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.cuda, pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="no CUDA device")])]
+
+
+def _gen(seed):
+    return torch.Generator().manual_seed(seed)
+
+
+def _distinct_per_label(indices):
+    s = indices.long().sort(0).values
+    return bool((s[1:] != s[:-1]).all())
+
+
+@pytest.mark.parametrize("in_features,out_features,conn", [(1, 5, 1), (8, 100, 8), (10, 333, 7),
+                                                            (1000, 2000, 32), (64, 4097, 33)])
+def test_uniform_init_distinct_sources_in_range(in_features, out_features, conn):
+    layer = UniformSparseLinear(in_features, out_features, conn, generator=_gen(0))
+    assert layer.indices.dtype == torch.int32 and layer.indices.shape == (conn, out_features)
+    assert layer.weight.shape == (conn, out_features) and layer.bias.shape == (out_features,)
+    assert 0 <= int(layer.indices.min()) and int(layer.indices.max()) < in_features
+    assert _distinct_per_label(layer.indices)
+    bound = 1 / math.sqrt(conn)
+    assert float(layer.weight.detach().abs().max()) <= bound and float(layer.bias.detach().abs().max()) <= bound
+    # fan-in = connectivity: the weights fill the bound, not 1/sqrt(in_features)
+    if layer.weight.numel() > 1000:
+        assert float(layer.weight.detach().abs().max()) > 0.9 * bound
+    assert [n for n, _ in layer.named_buffers()] == ["indices"]
+    assert sorted(n for n, _ in layer.named_parameters()) == ["bias", "weight"]
+
+
+def test_uniform_init_is_uniform_over_sources_and_deterministic():
+    a = sample_uniform_sources(50, 20000, 5, _gen(3))
+    b = sample_uniform_sources(50, 20000, 5, _gen(3))
+    assert torch.equal(a, b)
+    counts = torch.bincount(a.view(-1).long(), minlength=50).float()
+    expect = 20000 * 5 / 50
+    assert float(((counts - expect) ** 2 / expect).sum()) < 120  # chi2, 49 dof: p ~ 1e-7
+    assert not torch.equal(a, sample_uniform_sources(50, 20000, 5, _gen(4)))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_uniform_layer_forward_backward_match_dense(device):
+    layer = UniformSparseLinear(40, 70, 6, generator=_gen(1)).to(device)
+    x = torch.randn(3, 5, 40, device=device, requires_grad=True)  # extra leading dim
+    out = layer(x)
+    assert out.shape == (3, 5, 70)
+    w = layer.weight.detach().clone().requires_grad_()
+    bias = layer.bias.detach().clone().requires_grad_()
+    x2 = x.detach().clone().requires_grad_()
+    expect = x2 @ ref.dense_weight(layer.indices, w, 40).T + bias
+    torch.testing.assert_close(out, expect)
+    grad = torch.randn_like(out)
+    out.backward(grad)
+    expect.backward(grad)
+    torch.testing.assert_close(x.grad, x2.grad)
+    torch.testing.assert_close(layer.weight.grad, w.grad)
+    torch.testing.assert_close(layer.bias.grad, bias.grad)
+
+
+def test_uniform_layer_state_dict_roundtrip():
+    a = UniformSparseLinear(30, 40, 4, generator=_gen(5))
+    b = UniformSparseLinear(30, 40, 4, bias=True, generator=_gen(6))
+    b.load_state_dict(a.state_dict())
+    x = torch.randn(2, 30)
+    torch.testing.assert_close(a(x), b(x))
+    nobias = UniformSparseLinear(30, 40, 4, bias=False)
+    assert nobias.bias is None and nobias(x).shape == (2, 40)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("in_features,conn", [(1000, 16), (12, 10), (7, 7)])
+def test_uniform_rewire(device, in_features, conn):
+    labels = 500
+    layer = UniformSparseLinear(in_features, labels, conn, generator=_gen(2)).to(device)
+    before_idx, before_w = layer.indices.clone(), layer.weight.detach().clone()
+    pos = layer.rewire(0.1, _gen(7))
+    assert pos.dtype == torch.int64 and pos.device == layer.weight.device
+    assert pos.numel() == round(0.1 * conn * labels)
+    # exactly the lowest-|w| slots were chosen
+    threshold = before_w.abs().view(-1).sort().values[pos.numel() - 1]
+    assert bool((before_w.abs().view(-1)[pos] <= threshold).all())
+    assert int((before_w.abs().view(-1) < threshold).sum()) <= pos.numel()
+    # weights kept, only selected slots may change, still uniform and distinct, in range
+    assert torch.equal(layer.weight.detach(), before_w)
+    changed = (layer.indices != before_idx).view(-1).nonzero().squeeze(1)
+    assert bool(torch.isin(changed, pos).all())
+    if in_features > 2 * conn:
+        assert changed.numel() > 0.8 * pos.numel()
+    assert layer.indices.shape == (conn, labels) and layer.indices.dtype == torch.int32
+    assert _distinct_per_label(layer.indices)
+    assert 0 <= int(layer.indices.min()) and int(layer.indices.max()) < in_features
+    # same generator state => same result
+    again = UniformSparseLinear(in_features, labels, conn, generator=_gen(2)).to(device)
+    assert torch.equal(again.rewire(0.1, _gen(7)), pos)
+    assert torch.equal(again.indices, layer.indices)
+    assert layer.rewire(0.0, _gen(7)).numel() == 0
+    with pytest.raises(ValueError, match="fraction"):
+        layer.rewire(1.5, _gen(7))
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+def test_rewire_same_on_cpu_and_cuda():
+    cpu = UniformSparseLinear(300, 2000, 16, generator=_gen(9))
+    gpu = UniformSparseLinear(300, 2000, 16, generator=_gen(9)).cuda()
+    p_cpu, p_gpu = cpu.rewire(0.2, _gen(1)), gpu.rewire(0.2, _gen(1))
+    assert torch.equal(p_cpu, p_gpu.cpu())
+    assert torch.equal(cpu.indices, gpu.indices.cpu())
+
+
+def test_redraw_sources_exact_and_rejection_agree_on_invariants():
+    g = _gen(11)
+    idx = sample_uniform_sources(20, 3000, 12, g)  # 12 > 20/2: exact path
+    assert _distinct_per_label(idx)
+    redraw = torch.rand(idx.shape, generator=g) < 0.5
+    new = redraw_sources(idx, redraw, 20, g)
+    assert _distinct_per_label(new) and torch.equal(new[~redraw], idx[~redraw].long())
+
+
+def _dense_unstructured(layer, weight):
+    dense = torch.zeros(layer.out_features, layer.in_features, dtype=weight.dtype, device=weight.device)
+    return dense.index_put((layer.indices[0], layer.indices[1]), weight)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_unstructured_layer(device):
+    layer = UnstructuredSparseLinear(50, 80, 5, generator=_gen(4)).to(device)
+    assert layer.weight.shape == (400,) and layer.indices.shape == (2, 400)
+    flat = layer.indices[0] * 50 + layer.indices[1]
+    assert flat.unique().numel() == 400
+    for step in range(2):  # before and after a rewire (the cached CSR structure must follow)
+        x = torch.randn(6, 50, device=device, requires_grad=True)
+        out = layer(x)
+        w = layer.weight.detach().clone().requires_grad_()
+        b = layer.bias.detach().clone().requires_grad_()
+        x2 = x.detach().clone().requires_grad_()
+        expect = x2 @ _dense_unstructured(layer, w).T + b
+        torch.testing.assert_close(out, expect)
+        grad = torch.randn_like(out) * (torch.rand(6, 80, device=device) < 0.2)
+        layer.zero_grad()
+        out.backward(grad)
+        expect.backward(grad)
+        torch.testing.assert_close(x.grad, x2.grad)
+        torch.testing.assert_close(layer.weight.grad, w.grad)
+        torch.testing.assert_close(layer.bias.grad, b.grad)
+        before = layer.indices.clone()
+        pos = layer.rewire(0.25, _gen(step))
+        assert pos.numel() == 100
+        changed = (layer.indices != before).any(0).nonzero().squeeze(1)
+        assert bool(torch.isin(changed, pos).all())
+        flat = layer.indices[0] * 50 + layer.indices[1]
+        assert flat.unique().numel() == 400
+        assert int(layer.indices[1].max()) < 50 and int(layer.indices[0].max()) < 80
+
+
+def test_unstructured_rewire_deterministic_and_dense_case():
+    a = UnstructuredSparseLinear(6, 10, 5, generator=_gen(1))  # 50 of 60 positions: exact sampling
+    b = UnstructuredSparseLinear(6, 10, 5, generator=_gen(1))
+    assert torch.equal(a.indices, b.indices)
+    assert torch.equal(a.rewire(0.3, _gen(2)), b.rewire(0.3, _gen(2)))
+    assert torch.equal(a.indices, b.indices)
+    assert (a.indices[0] * 6 + a.indices[1]).unique().numel() == 50

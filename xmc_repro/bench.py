@@ -1,0 +1,404 @@
+"""Benchmark of the sparse last layer: ``python -m xmc_repro.bench [--full] [--device cuda] [--out results/bench]``.
+
+For each shape (labels, inputs, connectivity, batch) and output-gradient kind (``hinge``: about 1 %
+nonzero, as squared hinge leaves them; ``bce``: dense) it times forward, backward-input,
+backward-weight, forward+both backward, and a whole step with Adam, for: our compiled op, our
+pure-torch reference, torch CSR (cuSPARSE forward, ``sampled_addmm`` weight gradient), torch COO
+with autograd, and a dense ``nn.Linear``. Each time is also given as a multiple of its bandwidth
+floor: the bytes that must move (indices, weights, inputs and gradients read once, results written
+once; for hinge gradients only the labels with a nonzero gradient need their indices/weights)
+over the device's measured copy bandwidth. Peak memory is what a phase allocates beyond its inputs.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import platform
+import statistics
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from xmc_repro.sparse import op as sparse_op
+from xmc_repro.sparse import reference
+from xmc_repro.sparse.layers import _CsrLinear, _Structure
+from xmc_repro.sparse.rewire import redraw_sources
+
+PHASES = ("forward", "backward_input", "backward_weight", "fwd+bwd", "step+adam")
+GIB = 2**30
+
+
+@dataclass(frozen=True)
+class Case:
+    labels: int
+    inputs: int
+    connectivity: int
+    batch: int
+    grad: str  # "hinge" (about 1 % nonzero) or "bce" (dense)
+    methods: tuple[str, ...]
+
+    @property
+    def name(self) -> str:
+        return f"L={self.labels} in={self.inputs} c={self.connectivity} B={self.batch} grad={self.grad}"
+
+
+ALL = ("uniform", "reference", "csr", "coo", "dense")
+
+
+def paper_cases() -> list[Case]:
+    """The paper's shapes, ordered so the headline case runs first."""
+    cases = []
+    for grad in ("hinge", "bce"):
+        cases.append(Case(670091, 16384, 32, 32, grad, ALL))
+    for grad in ("hinge", "bce"):
+        cases.append(Case(670091, 16384, 32, 256, grad, ("uniform", "csr", "dense")))
+    cases += [Case(670091, 65536, 64, 32, "hinge", ("uniform", "csr", "coo")),
+              Case(670091, 65536, 64, 256, "hinge", ("uniform", "csr")),
+              Case(501070, 32768, 32, 32, "hinge", ("uniform", "csr", "dense")),
+              Case(501070, 32768, 64, 256, "bce", ("uniform", "csr")),
+              Case(30938, 16384, 32, 32, "hinge", ALL),
+              Case(30938, 16384, 32, 32, "bce", ("uniform", "csr"))]
+    return cases
+
+
+def cpu_cases() -> list[Case]:
+    """A small set that runs in a few minutes on two CPU cores."""
+    return [Case(30938, 4096, 32, 32, "hinge", ALL),
+            Case(30938, 4096, 32, 32, "bce", ("uniform", "reference", "csr", "dense")),
+            Case(100000, 16384, 32, 32, "hinge", ("uniform", "csr")),
+            Case(30938, 16384, 64, 128, "hinge", ("uniform", "csr"))]
+
+
+# ---------------------------------------------------------------- timing and bandwidth
+
+
+def _sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def time_ms(fn, device, warmup: int, repeats: int) -> float:
+    """Median wall time of ``fn`` in ms (CUDA events on a GPU)."""
+    for _ in range(warmup):
+        fn()
+    _sync(device)
+    times = []
+    for _ in range(repeats):
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+        else:
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+def extra_peak_gib(fn, device) -> float | None:
+    """Memory a call allocates beyond what is already allocated (GiB); None off-GPU."""
+    if device.type != "cuda":
+        return None
+    _sync(device)
+    before = torch.cuda.memory_allocated(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    fn()
+    _sync(device)
+    return (torch.cuda.max_memory_allocated(device) - before) / GIB
+
+
+def copy_bandwidth(device) -> float:
+    """Measured device copy bandwidth in bytes/s (bytes read + bytes written)."""
+    n = (256 << 20) // 4 if device.type == "cuda" else (64 << 20) // 4
+    src = torch.randn(n, device=device)
+    dst = torch.empty_like(src)
+    ms = time_ms(lambda: dst.copy_(src), device, warmup=3, repeats=10)
+    return 2 * 4 * n / (ms / 1e3)
+
+
+def floor_bytes(case: Case, active: float) -> dict[str, float]:
+    """Bytes each phase of the uniform layer must move; ``active`` = fraction of labels with any
+    nonzero gradient (only those need their indices and weights in the backward)."""
+    f = 4.0
+    c, L, B, n = case.connectivity, case.labels, case.batch, case.inputs
+    slots = c * L * f  # one (connectivity, labels) array
+    grads, x = B * L * f, B * n * f
+    fwd = 2 * slots + x + B * L * f + L * f
+    bwd_in = grads + active * 2 * slots + x
+    bwd_w = grads + active * slots + x + slots
+    adam = 7 * slots
+    return {"forward": fwd, "backward_input": bwd_in, "backward_weight": bwd_w,
+            "fwd+bwd": fwd + bwd_in + bwd_w, "step+adam": fwd + bwd_in + bwd_w + adam}
+
+
+# ---------------------------------------------------------------- the methods
+
+
+class _Reference(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, idx, w, b):
+        ctx.save_for_backward(x, idx, w)
+        return reference.forward(x, idx, w, b)
+
+    @staticmethod
+    def backward(ctx, g):
+        x, idx, w = ctx.saved_tensors
+        return reference.backward_input(g, idx, w, x.shape[1]), None, reference.backward_weight(g, x, idx), g.sum(0)
+
+
+def _adam(params, device):
+    return torch.optim.Adam(params, lr=1e-3, fused=device.type == "cuda")
+
+
+def _step(loss_fn, opt, grad):
+    def run():
+        opt.zero_grad(set_to_none=False)
+        loss_fn().backward(grad)
+        opt.step()
+    return run
+
+
+def build_method(name: str, case: Case, p: dict, device) -> dict:
+    """Callables per phase for one method, or {"skip": reason}."""
+    x, idx, w, b, g = p["x"], p["idx"], p["w"], p["b"], p["g"]
+    wp, bp = torch.nn.Parameter(w.clone()), torch.nn.Parameter(b.clone())
+    if name in ("uniform", "reference"):
+        if name == "uniform":
+            ops = torch.ops.xmc_sparse
+            fwd = lambda: ops.forward(x, idx, w, b)  # noqa: E731
+            bwd_in = lambda: ops.backward_input(g, idx, w, case.inputs)  # noqa: E731
+            bwd_w = lambda: ops.backward_weight(g, x, idx)  # noqa: E731
+            layer = lambda: sparse_op.uniform_sparse_linear(x, idx, wp, bp)  # noqa: E731
+        else:
+            fwd = lambda: reference.forward(x, idx, w, b)  # noqa: E731
+            bwd_in = lambda: reference.backward_input(g, idx, w, case.inputs)  # noqa: E731
+            bwd_w = lambda: reference.backward_weight(g, x, idx)  # noqa: E731
+            layer = lambda: _Reference.apply(x, idx, wp, bp)  # noqa: E731
+        return {"forward": fwd, "backward_input": bwd_in, "backward_weight": bwd_w,
+                "fwd+bwd": lambda: (fwd(), bwd_in(), bwd_w(), g.sum(0)),
+                "step+adam": _step(layer, _adam([wp, bp], device), g)}
+    rows = torch.arange(case.labels, device=device).repeat(case.connectivity)
+    cols = idx.reshape(-1).long()
+    if name == "csr":
+        s = _Structure(rows, cols, case.labels, case.inputs)
+        wflat = w.reshape(-1)
+        pattern_vals = torch.zeros_like(wflat)
+        gt = g.t().contiguous()
+        mat, mat_t = s.matrix(wflat), s.matrix_t(wflat)
+        from xmc_repro.sparse.layers import _csr
+        pattern = _csr(s.crow, s.col, pattern_vals, s.shape)
+        fwd = lambda: (mat @ x.t()).t() + b  # noqa: E731
+        bwd_in = lambda: (mat_t @ gt).t()  # noqa: E731
+        bwd_w = lambda: torch.sparse.sampled_addmm(pattern, gt, x, beta=0.0)  # noqa: E731
+        vp = torch.nn.Parameter(wflat.clone())
+        layer = lambda: _CsrLinear.apply(x, vp, s) + bp  # noqa: E731
+        return {"forward": fwd, "backward_input": bwd_in, "backward_weight": bwd_w,
+                "fwd+bwd": lambda: (fwd(), bwd_in(), bwd_w(), g.sum(0)),
+                "step+adam": _step(layer, _adam([vp, bp], device), g)}
+    if name == "coo":
+        # autograd through torch.sparse.mm forms the dense (labels, inputs) weight gradient
+        need = case.labels * case.inputs * 4 * 1.1
+        if device.type == "cuda" and need > 0.8 * torch.cuda.mem_get_info(device)[0]:
+            return {"skip": f"needs about {need / GIB:.0f} GiB (dense weight gradient)"}
+        if device.type == "cpu" and need > 4 * GIB:
+            return {"skip": f"needs about {need / GIB:.0f} GiB (dense weight gradient)"}
+        flat = rows * case.inputs + cols
+        order = torch.argsort(flat)
+        coo_idx = torch.stack([rows[order], cols[order]])
+        vp = torch.nn.Parameter(w.reshape(-1)[order].clone())
+
+        def layer():
+            mat = torch.sparse_coo_tensor(coo_idx, vp, (case.labels, case.inputs), is_coalesced=True,
+                                          check_invariants=False)
+            return torch.sparse.mm(mat, x.t()).t() + bp
+
+        def fwd_bwd():
+            layer().backward(g)
+
+        return {"forward": lambda: layer().detach(), "fwd+bwd": fwd_bwd,
+                "step+adam": _step(layer, _adam([vp, bp], device), g)}
+    if name == "dense":
+        inputs = case.inputs
+        if case.labels * inputs * 4 * 5 > (0.7 * torch.cuda.mem_get_info(device)[0] if device.type == "cuda"
+                                           else 2 * GIB):
+            inputs = 768  # the paper's dense reference: a 768-d input
+        lin = torch.nn.Linear(inputs, case.labels, device=device)
+        xd = torch.randn(case.batch, inputs, device=device)
+        wd = lin.weight.detach()
+        fwd = lambda: torch.nn.functional.linear(xd, wd, lin.bias.detach())  # noqa: E731
+        bwd_in = lambda: g @ wd  # noqa: E731
+        bwd_w = lambda: g.t() @ xd  # noqa: E731
+        return {"forward": fwd, "backward_input": bwd_in, "backward_weight": bwd_w,
+                "fwd+bwd": lambda: (fwd(), bwd_in(), bwd_w(), g.sum(0)),
+                "step+adam": _step(lambda: lin(xd), _adam(list(lin.parameters()), device), g),
+                "label": f"dense nn.Linear({inputs}, {case.labels})", "dense_inputs": inputs}
+    raise ValueError(f"unknown method {name!r}; choose from {', '.join(ALL)}")
+
+
+def make_problem(case: Case, device, seed: int = 0) -> dict:
+    gen = torch.Generator().manual_seed(seed)
+    idx = torch.zeros(case.connectivity, case.labels, dtype=torch.int64, device=device)
+    idx = redraw_sources(idx, torch.ones_like(idx, dtype=torch.bool), case.inputs, gen).int().contiguous()
+    dev_gen = torch.Generator(device).manual_seed(seed)  # draw the big tensors where they live
+    x = torch.randn(case.batch, case.inputs, generator=dev_gen, device=device)
+    w = torch.randn(case.connectivity, case.labels, generator=dev_gen, device=device) / case.connectivity ** 0.5
+    b = torch.zeros(case.labels, device=device)
+    g = torch.randn(case.batch, case.labels, generator=dev_gen, device=device)
+    if case.grad == "hinge":
+        g *= torch.rand(case.batch, case.labels, generator=dev_gen, device=device) < 0.01
+    return {"x": x, "idx": idx, "w": w, "b": b, "g": g.contiguous()}
+
+
+# ---------------------------------------------------------------- running and reporting
+
+
+def run_case(case: Case, device, bandwidth: float, warmup: int, repeats: int, methods: set[str] | None) -> list[dict]:
+    p = make_problem(case, device)
+    active = float((p["g"] != 0).any(0).float().mean())
+    floors = floor_bytes(case, active)
+    rows = []
+    for name in case.methods:
+        if methods and name not in methods:
+            continue
+        base = {"case": case.name, **{k: getattr(case, k) for k in ("labels", "inputs", "connectivity", "batch", "grad")},
+                "grad_nonzero": float((p["g"] != 0).float().mean()), "labels_active": active, "method": name}
+        try:
+            phases = build_method(name, case, p, device)
+        except torch.OutOfMemoryError:
+            phases = {"skip": "out of memory while building"}
+        if "skip" in phases:
+            rows.append({**base, "phase": "all", "note": phases["skip"]})
+            continue
+        label = phases.pop("label", name)
+        dense_inputs = phases.pop("dense_inputs", None)
+        for phase in PHASES:
+            if phase not in phases:
+                continue
+            row = {**base, "method": label, "phase": phase}
+            try:
+                reps = repeats if name != "reference" else max(2, repeats // 4)
+                row["ms"] = time_ms(phases[phase], device, warmup=min(warmup, 2 if name == "reference" else warmup),
+                                    repeats=reps)
+                row["extra_peak_gib"] = extra_peak_gib(phases[phase], device)
+            except torch.OutOfMemoryError as exc:
+                row["note"] = "out of memory: " + str(exc).split("\n")[0][:120]
+                torch.cuda.empty_cache()
+            if dense_inputs is None:
+                row["floor_ms"] = floors[phase] / bandwidth * 1e3
+            else:  # the dense layer's own floor: its weight (and Adam state) once
+                nbytes = 4 * case.labels * dense_inputs
+                per = {"forward": 1, "backward_input": 1, "backward_weight": 1, "fwd+bwd": 3, "step+adam": 10}[phase]
+                row["floor_ms"] = per * nbytes / bandwidth * 1e3
+            if "ms" in row:
+                row["x_floor"] = row["ms"] / row["floor_ms"]
+            rows.append(row)
+        del phases
+    del p
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return rows
+
+
+def machine_info(device, bandwidth: float) -> dict:
+    info = {"date": datetime.datetime.now().isoformat(timespec="seconds"), "torch": torch.__version__,
+            "cuda": torch.version.cuda, "python": platform.python_version(), "host_cpu": platform.processor() or
+            platform.machine(), "cpu_threads": torch.get_num_threads(), "device": device.type,
+            "copy_bandwidth_gb_s": bandwidth / 1e9, "sparse_backend": sparse_op.backend(device)}
+    if device.type == "cuda":
+        info["card"] = torch.cuda.get_device_name(device)
+    else:
+        try:
+            for line in Path("/proc/cpuinfo").read_text().splitlines():
+                if line.startswith("model name"):
+                    info["host_cpu"] = line.split(":", 1)[1].strip()
+                    break
+        except OSError:
+            pass
+    return info
+
+
+def _fmt(v, spec):
+    return "" if v is None else format(v, spec)
+
+
+def markdown(info: dict, rows: list[dict]) -> str:
+    where = info.get("card") or f"CPU: {info['host_cpu']} ({info['cpu_threads']} threads)"
+    lines = [f"# Sparse layer benchmark — {where}", "",
+             f"torch {info['torch']} (CUDA {info['cuda']}), sparse backend `{info['sparse_backend']}`, "
+             f"measured copy bandwidth {info['copy_bandwidth_gb_s']:.0f} GB/s, {info['date']}.", "",
+             "Times are medians in ms; `x floor` = time / (bytes that must move / copy bandwidth); "
+             "`extra GiB` = peak memory allocated beyond the inputs (GPU only). "
+             "`hinge` gradients: about 1 % nonzero; `bce`: dense.", ""]
+    case = None
+    for r in rows:
+        if r["case"] != case:
+            case = r["case"]
+            lines += ["", f"## {case}  (labels with a nonzero gradient: {r['labels_active']:.1%})", "",
+                      "| method | phase | ms | floor ms | x floor | extra GiB | note |", "|---|---|---:|---:|---:|---:|---|"]
+        lines.append(f"| {r['method']} | {r['phase']} | {_fmt(r.get('ms'), '.3f')} | {_fmt(r.get('floor_ms'), '.3f')} | "
+                     f"{_fmt(r.get('x_floor'), '.1f')} | {_fmt(r.get('extra_peak_gib'), '.2f')} | {r.get('note', '')} |")
+    return "\n".join(lines) + "\n"
+
+
+def summary(rows: list[dict]) -> str:
+    """The few numbers the targets are about, as a plain table."""
+    out = [f"{'case':58s} {'method':28s} {'fwd+bwd ms':>10s} {'x floor':>8s} {'step ms':>9s}"]
+    by = {}
+    for r in rows:
+        if "ms" in r and r["phase"] in ("fwd+bwd", "step+adam"):
+            by.setdefault((r["case"], r["method"]), {})[r["phase"]] = r
+    for (case, method), ph in by.items():
+        fb, st = ph.get("fwd+bwd", {}), ph.get("step+adam", {})
+        out.append(f"{case:58s} {method:28s} {_fmt(fb.get('ms'), '10.3f'):>10s} {_fmt(fb.get('x_floor'), '8.1f'):>8s} "
+                   f"{_fmt(st.get('ms'), '9.3f'):>9s}")
+    return "\n".join(out)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m xmc_repro.bench", description=__doc__.split("\n")[0])
+    ap.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
+    ap.add_argument("--full", action="store_true", help="the paper's shapes (default on a GPU)")
+    ap.add_argument("--out", default="results/bench", help="folder for the JSON and markdown results")
+    ap.add_argument("--methods", default=None, help=f"comma list from {','.join(ALL)} (default: per case)")
+    ap.add_argument("--max-cases", type=int, default=None, help="run only the first N cases")
+    ap.add_argument("--budget-s", type=float, default=None, help="start no new case after this many seconds")
+    ap.add_argument("--warmup", type=int, default=None, help="default 3 on a GPU, 1 on CPU")
+    ap.add_argument("--repeats", type=int, default=None, help="default 10 on a GPU, 5 on CPU")
+    args = ap.parse_args(argv)
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    sparse_op.ensure_registered()
+    cases = paper_cases() if (args.full or device.type == "cuda") else cpu_cases()
+    cases = cases[: args.max_cases] if args.max_cases else cases
+    methods = set(args.methods.split(",")) if args.methods else None
+    on_gpu = device.type == "cuda"
+    warmup = args.warmup if args.warmup is not None else (3 if on_gpu else 1)
+    repeats = args.repeats if args.repeats is not None else (10 if on_gpu else 5)
+    bandwidth = copy_bandwidth(device)
+    info = machine_info(device, bandwidth)
+    print(f"benchmarking on {info.get('card', info['host_cpu'])}: copy bandwidth {bandwidth / 1e9:.0f} GB/s, "
+          f"backend {info['sparse_backend']}", flush=True)
+    rows, t0 = [], time.time()
+    for case in cases:
+        if args.budget_s and time.time() - t0 > args.budget_s:
+            print(f"time budget reached, skipping {case.name}", flush=True)
+            continue
+        print(f"  {case.name} ...", flush=True)
+        rows += run_case(case, device, bandwidth, warmup, repeats, methods)
+    slug = "".join(ch if ch.isalnum() else "-" for ch in info.get("card", "cpu").lower()).strip("-")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{slug}.json").write_text(json.dumps({"machine": info, "results": rows}, indent=1) + "\n")
+    (out / f"{slug}.md").write_text(markdown(info, rows))
+    print(f"wrote {out / slug}.json and .md")
+    print(summary(rows))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

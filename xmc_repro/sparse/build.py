@@ -1,0 +1,136 @@
+"""Compile the C++/CUDA kernels in cuda_ext/ on first use and cache the shared library.
+
+Why compile on first use: a pip build would run in an isolated environment with its own torch,
+and the extension must match the torch that imports it. The cache directory is keyed by the
+torch/CUDA/Python versions and a hash of the sources, so a changed kernel or a new torch builds
+afresh. Several processes (a sweep's jobs) may start together: an exclusive file lock makes one of
+them compile while the others wait and then load the finished library. A failed build is
+remembered (``failed.log``) so later processes do not retry it, and the caller falls back.
+"""
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import os
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+SOURCES_CPU = ("uniform_sparse.cpp",)
+SOURCES_CUDA = ("uniform_sparse_cuda.cu",)
+CFLAGS = ["-O3", "-fopenmp"]
+LDFLAGS = ["-fopenmp"]
+CUDA_CFLAGS = ["-O3"]
+
+
+class BuildError(RuntimeError):
+    """The sparse kernels could not be compiled or loaded."""
+
+
+def source_dir() -> Path:
+    """cuda_ext/ beside the package (env XMC_CUDA_EXT_DIR overrides, e.g. for an installed wheel)."""
+    env = os.environ.get("XMC_CUDA_EXT_DIR")
+    return Path(env) if env else Path(__file__).resolve().parents[2] / "cuda_ext"
+
+
+def cache_root() -> Path:
+    env = os.environ.get("XMC_SPARSE_CACHE")
+    if env:
+        return Path(env)
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "xmc_repro" / "sparse_ops"
+
+
+def cuda_buildable() -> bool:
+    """True when torch was built with CUDA and nvcc is found."""
+    if torch.version.cuda is None:
+        return False
+    from torch.utils.cpp_extension import CUDA_HOME
+    return CUDA_HOME is not None and Path(CUDA_HOME, "bin", "nvcc").exists()
+
+
+def _key(variant: str, files: list[Path]) -> str:
+    h = hashlib.sha256()
+    for part in (variant, torch.__version__, str(torch.version.cuda), sys.version.split()[0],
+                 " ".join(CFLAGS + LDFLAGS + CUDA_CFLAGS), os.environ.get("TORCH_CUDA_ARCH_LIST", "")):
+        h.update(part.encode())
+    for f in files:
+        h.update(f.name.encode())
+        h.update(f.read_bytes())
+    return h.hexdigest()[:16]
+
+
+@contextlib.contextmanager
+def _exclusive(lock_path: Path):
+    """An OS file lock: released by the kernel even if the holder dies mid-build."""
+    try:
+        import fcntl
+    except ImportError:  # no fcntl (Windows): builds are not serialised
+        yield
+        return
+    with open(lock_path, "a+") as fh:
+        fcntl.flock(fh, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(fh, fcntl.LOCK_UN)
+
+
+def _build_variant(variant: str, verbose: bool) -> Path:
+    src = source_dir()
+    files = [src / f for f in SOURCES_CPU + (SOURCES_CUDA if variant == "cuda" else ())]
+    missing = [str(f) for f in files if not f.exists()]
+    if missing:
+        raise BuildError(f"kernel sources not found: {', '.join(missing)} (set XMC_CUDA_EXT_DIR to cuda_ext/)")
+    name = f"xmc_sparse_{variant}"
+    root = cache_root()
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+    except OSError:
+        root = Path(tempfile.gettempdir()) / "xmc_repro_sparse_ops"
+        root.mkdir(parents=True, exist_ok=True)
+    build_dir = root / f"{name}-{_key(variant, files)}"
+    build_dir.mkdir(exist_ok=True)
+    library = build_dir / f"{name}.so"
+    done, failed = build_dir / "ok", build_dir / "failed.log"
+    with _exclusive(build_dir / ".xmc_lock"):
+        if done.exists():
+            torch.ops.load_library(str(library))
+            return library
+        if failed.exists():
+            raise BuildError(f"an earlier build failed, see {failed} (delete it to retry)")
+        # A build killed midway may have left torch's own lock file; we hold the real lock.
+        with contextlib.suppress(FileNotFoundError):
+            (build_dir / "lock").unlink()
+        from torch.utils.cpp_extension import load
+        try:
+            load(name=name, sources=[str(f) for f in files], extra_cflags=CFLAGS, extra_ldflags=LDFLAGS,
+                 extra_cuda_cflags=CUDA_CFLAGS, build_directory=str(build_dir), is_python_module=False,
+                 verbose=verbose)
+        except Exception as exc:  # compiler missing, compile error, ...
+            failed.write_text(f"{type(exc).__name__}: {exc}\n")
+            raise BuildError(f"building {name} failed: {str(exc).splitlines()[0] if str(exc) else exc!r}") from exc
+        done.write_text("built\n")
+        return library
+
+
+def load_compiled(verbose: bool = False) -> tuple[set[str], list[str]]:
+    """Build (or load from the cache) the best variant that works.
+
+    Returns the device types that have compiled kernels ({"cpu", "cuda"}, {"cpu"} or set()) and
+    the errors met on the way (empty when the first choice worked).
+    """
+    errors: list[str] = []
+    variants = (["cuda"] if cuda_buildable() else []) + ["cpu"]
+    if shutil.which(os.environ.get("CXX", "c++")) is None:
+        return set(), [f"no C++ compiler ({os.environ.get('CXX', 'c++')}) on PATH"]
+    for variant in variants:
+        try:
+            _build_variant(variant, verbose)
+            return ({"cpu", "cuda"} if variant == "cuda" else {"cpu"}), errors
+        except Exception as exc:
+            errors.append(f"{variant}: {exc}")
+    return set(), errors

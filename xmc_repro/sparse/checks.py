@@ -1,0 +1,81 @@
+"""Input checks for the uniform sparse op: one-line messages that say what is wrong and how to fix it."""
+from __future__ import annotations
+
+import torch
+
+from xmc_repro.errors import ConfigError
+
+INT32_LIMIT = 2**31
+
+
+class SparseInputError(ValueError):
+    """A tensor handed to the sparse op has the wrong shape, dtype, device or layout."""
+
+
+def check_layer_sizes(in_features: int, out_features: int, connectivity: int) -> None:
+    """Validate the sizes a sparse layer is built with (they come straight from the config)."""
+    for name, value in (("model.connectivity", connectivity), ("out_features", out_features),
+                        ("in_features", in_features)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ConfigError(f"{name}={value!r} must be a positive integer")
+    if connectivity > in_features:
+        raise ConfigError(
+            f"model.connectivity={connectivity} exceeds the layer's {in_features} input features; "
+            f"set model.connectivity <= {in_features} (or use model.head=dense)")
+    if connectivity * out_features >= INT32_LIMIT:
+        raise ConfigError(
+            f"model.connectivity * labels = {connectivity} * {out_features} >= 2**31 does not fit the int32 "
+            "indices; lower model.connectivity")
+
+
+def check_op_inputs(x: torch.Tensor, indices: torch.Tensor, weight: torch.Tensor,
+                    bias: torch.Tensor | None, check_indices: bool = False) -> None:
+    """Validate the arguments of ``uniform_sparse_linear``; raise SparseInputError on the first problem."""
+    if not all(isinstance(t, torch.Tensor) for t in (x, indices, weight)):
+        raise SparseInputError("x, indices and weight must be torch.Tensors")
+    if x.dim() != 2:
+        raise SparseInputError(f"x must be 2-D (batch, in_features), got shape {tuple(x.shape)}")
+    if x.dtype not in (torch.float32, torch.float64):
+        raise SparseInputError(f"x must be float32 (or float64), got {x.dtype}; call x.float()")
+    if indices.dim() != 2:
+        raise SparseInputError(
+            f"indices must be 2-D (connectivity, out_features), got shape {tuple(indices.shape)}")
+    if indices.dtype != torch.int32:
+        raise SparseInputError(f"indices must be int32, got {indices.dtype}; call indices.int()")
+    if weight.shape != indices.shape:
+        raise SparseInputError(
+            f"weight shape {tuple(weight.shape)} must equal indices shape {tuple(indices.shape)} "
+            "(connectivity, out_features)")
+    if weight.dtype != x.dtype:
+        raise SparseInputError(f"weight dtype {weight.dtype} must equal x dtype {x.dtype}")
+    connectivity, out_features = indices.shape
+    if connectivity < 1 or out_features < 1:
+        raise SparseInputError(f"indices shape {tuple(indices.shape)} must have connectivity >= 1 and "
+                               "out_features >= 1")
+    if connectivity * out_features >= INT32_LIMIT:
+        raise SparseInputError(f"connectivity * out_features = {connectivity * out_features} must be < 2**31")
+    if x.shape[1] < 1:
+        raise SparseInputError("x must have at least one input feature")
+    tensors = [("x", x), ("indices", indices), ("weight", weight)]
+    if bias is not None:
+        if bias.shape != (out_features,):
+            raise SparseInputError(f"bias must have shape ({out_features},), got {tuple(bias.shape)}")
+        if bias.dtype != x.dtype:
+            raise SparseInputError(f"bias dtype {bias.dtype} must equal x dtype {x.dtype}")
+        tensors.append(("bias", bias))
+    for name, t in tensors[1:]:
+        if t.device != x.device:
+            raise SparseInputError(f"{name} is on {t.device} but x is on {x.device}; move both to one device")
+    for name, t in tensors[1:]:
+        if not t.is_contiguous():
+            raise SparseInputError(f"{name} must be contiguous; call {name}.contiguous()")
+    if check_indices:
+        check_index_range(indices, x.shape[1])
+
+
+def check_index_range(indices: torch.Tensor, in_features: int) -> None:
+    """Every source index must lie in [0, in_features) (costs a device sync; opt-in)."""
+    lo, hi = int(indices.min()), int(indices.max())
+    if lo < 0 or hi >= in_features:
+        raise SparseInputError(
+            f"indices must lie in [0, {in_features}), found values in [{lo}, {hi}]")

@@ -1,0 +1,143 @@
+"""Random sources for sparse layers: initial sampling and prune-and-regrow rewiring (SET).
+
+All randomness is drawn from a CPU ``torch.Generator`` in an order fixed by slot position, and
+every device-side step is a deterministic function of integer data (stable sorts), so the same
+generator state gives the same connections on any device.
+"""
+from __future__ import annotations
+
+import torch
+
+# Fall back from rejection sampling to exact sampling after this many rounds.
+_MAX_REJECTION_ROUNDS = 8
+# Temporary budget (elements) of the exact sampler: columns x in_features keys per chunk.
+_EXACT_ELEMENTS = 1 << 24
+
+
+def _draw(n: int, high: int, generator: torch.Generator | None, device) -> torch.Tensor:
+    return torch.randint(high, (n,), generator=generator, dtype=torch.int64).to(device)
+
+
+def _later_duplicates(values: torch.Tensor, redraw: torch.Tensor) -> torch.Tensor:
+    """Per column of ``values`` (rows = slots), mark slots in ``redraw`` that repeat another slot's value.
+
+    Within a run of equal values the kept slot is the one not being redrawn if there is one (those are
+    distinct by invariant), else the lowest slot; every other slot of the run is marked.
+    """
+    connectivity = values.shape[0]
+    # Unique sort keys (value, redrawn?, slot): any sort gives one order, so the result is the same on
+    # every device; int32 keys and a contiguous last dimension make the sort fast.
+    small = (int(values.max()) + 1) * 2 * connectivity < 2**31
+    dtype = torch.int32 if small else torch.int64
+    key = values.t().to(dtype).contiguous()
+    key.mul_(2).add_(redraw.t().to(dtype)).mul_(connectivity)
+    key.add_(torch.arange(connectivity, device=values.device, dtype=dtype))
+    sorted_key, order = torch.sort(key, dim=1)
+    sorted_val = sorted_key // (2 * connectivity)
+    dup = torch.zeros(sorted_key.shape, dtype=torch.bool, device=values.device)
+    dup[:, 1:] = sorted_val[:, 1:] == sorted_val[:, :-1]
+    return torch.zeros_like(dup).scatter_(1, order, dup).t()
+
+
+def _exact_fill(block: torch.Tensor, redraw: torch.Tensor, in_features: int,
+                generator: torch.Generator | None) -> torch.Tensor:
+    """Give the redraw slots of each column distinct sources not used by the column's kept slots.
+
+    Per column: random keys over all inputs, kept sources pushed last, argsort; the r-th redraw slot
+    (in slot order) takes the r-th source. Exact and duplicate-free whatever the density. CPU only.
+    """
+    connectivity, cols = block.shape
+    step = max(1, _EXACT_ELEMENTS // in_features)
+    out = block.clone()
+    for start in range(0, cols, step):
+        sub, red = block[:, start:start + step], redraw[:, start:start + step]
+        n = sub.shape[1]
+        keys = torch.rand(n, in_features, generator=generator)
+        col_of_slot = torch.arange(n).expand(connectivity, n)
+        kept = ~red
+        keys[col_of_slot[kept], sub[kept]] = 2.0  # beyond any key in [0, 1)
+        order = torch.argsort(keys, dim=1, stable=True)
+        rank = torch.cumsum(red.long(), dim=0) - 1  # r-th redraw slot within its column
+        new = sub.clone()
+        new[red] = order[col_of_slot[red], rank[red]]
+        out[:, start:start + step] = new
+    return out
+
+
+def redraw_sources(indices: torch.Tensor, redraw: torch.Tensor, in_features: int,
+                   generator: torch.Generator | None = None) -> torch.Tensor:
+    """New uniformly random sources for the ``redraw`` slots of ``indices`` (connectivity, labels).
+
+    Each label's sources stay distinct (needs connectivity <= in_features, and the kept sources of
+    each label distinct). Returns an int64 tensor on ``indices``' device; ``indices`` is not modified.
+    """
+    idx = indices.long().clone()
+    connectivity = idx.shape[0]
+    pending = redraw.to(device=idx.device, dtype=torch.bool).clone()
+    rounds = 0
+    # Dense-ish labels (connectivity > in/2) make rejection slow: sample them exactly at once.
+    exact = 2 * connectivity > in_features
+    while True:
+        cols = pending.any(0).nonzero().squeeze(1)
+        if cols.numel() == 0:
+            return idx
+        if exact or rounds >= _MAX_REJECTION_ROUNDS:
+            block = idx[:, cols].cpu()
+            filled = _exact_fill(block, pending[:, cols].cpu(), in_features, generator)
+            idx[:, cols] = filled.to(idx.device)
+            return idx
+        flat = pending.view(-1).nonzero().squeeze(1)  # ascending slot order => device independent
+        idx.view(-1)[flat] = _draw(flat.numel(), in_features, generator, idx.device)
+        # Only labels that got a new draw can hold a duplicate.
+        block = idx[:, cols]
+        was_redrawn = redraw.to(idx.device)[:, cols]
+        pending = torch.zeros_like(pending)
+        pending[:, cols] = _later_duplicates(block, was_redrawn)
+        rounds += 1
+
+
+def sample_uniform_sources(in_features: int, out_features: int, connectivity: int,
+                           generator: torch.Generator | None = None) -> torch.Tensor:
+    """(connectivity, out_features) int32: each label gets ``connectivity`` distinct random inputs."""
+    start = torch.zeros(connectivity, out_features, dtype=torch.int64)
+    everything = torch.ones(connectivity, out_features, dtype=torch.bool)
+    return redraw_sources(start, everything, in_features, generator).to(torch.int32).contiguous()
+
+
+def lowest_magnitude(weight: torch.Tensor, fraction: float) -> torch.Tensor:
+    """Sorted flat positions of the ``round(fraction * numel)`` smallest-|weight| entries (global)."""
+    if not 0.0 <= fraction <= 1.0:
+        raise ValueError(f"rewire fraction={fraction} must lie in [0, 1]")
+    flat = weight.detach().reshape(-1)
+    count = int(round(fraction * flat.numel()))
+    if count == 0:
+        return torch.empty(0, dtype=torch.int64, device=weight.device)
+    _, positions = torch.topk(flat.abs(), count, largest=False, sorted=False)
+    return positions.sort().values
+
+
+def distinct_positions(count: int, total: int, generator: torch.Generator | None = None,
+                       taken: torch.Tensor | None = None, device=None) -> torch.Tensor:
+    """``count`` distinct random integers in [0, total) that avoid the sorted ``taken`` ones (int64)."""
+    free = total - (0 if taken is None else taken.numel())
+    if count > free:
+        raise ValueError(f"cannot place {count} connections in {free} free positions")
+    if taken is None and 2 * count > total:
+        # Dense: an exact permutation costs memory proportional to count anyway.
+        return torch.randperm(total, generator=generator)[:count].to(device)
+    taken = torch.empty(0, dtype=torch.int64, device=device) if taken is None else taken.to(device)
+    out = _draw(count, total, generator, device)
+    pending = torch.ones(count, dtype=torch.bool, device=device)
+    while True:
+        # Conflicts: equal to a taken position, or a repeat of an earlier draw.
+        pos = torch.searchsorted(taken, out).clamp_max(max(taken.numel() - 1, 0))
+        clash = taken[pos] == out if taken.numel() else torch.zeros_like(pending)
+        sorted_out, order = torch.sort(out, stable=True)
+        repeat = torch.zeros_like(pending)
+        repeat[1:] = sorted_out[1:] == sorted_out[:-1]
+        clash |= torch.zeros_like(pending).scatter_(0, order, repeat)
+        pending = clash
+        where = pending.nonzero().squeeze(1)
+        if where.numel() == 0:
+            return out
+        out[where] = _draw(where.numel(), total, generator, device)
