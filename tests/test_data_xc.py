@@ -1,0 +1,178 @@
+"""XC text format: reader against an independent line-by-line parse, writer round trip, every bad input."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import scipy.sparse as sp
+
+from xmc_repro.data import xc_format
+from xmc_repro.data.labels import LabelCSR
+from xmc_repro.data.sources import shared_data_root
+from xmc_repro.data.xc_format import (
+    read_labels,
+    read_sparse_labels,
+    read_sparse_matrix,
+    read_xc,
+    write_sparse_labels,
+    write_xc,
+)
+from xmc_repro.errors import DataError
+
+
+def naive_parse(path):
+    """Reference parser: plain Python, one line at a time."""
+    lines = open(path).read().split("\n")
+    n, d, L = map(int, lines[0].split())
+    labels, rows = [], []
+    for line in lines[1 : 1 + n]:
+        field, _, rest = line.partition(" ")
+        labels.append(sorted({int(t) for t in field.split(",") if t}))
+        row = {}
+        for tok in rest.split():
+            j, v = tok.split(":")
+            row[int(j)] = row.get(int(j), 0.0) + float(v)
+        rows.append(row)
+    return n, d, L, labels, rows
+
+
+def random_xc_text(rng, n=200, d=50, L=30, empty_rate=0.1):
+    out = [f"{n} {d} {L}"]
+    for _ in range(n):
+        labs = [] if rng.random() < empty_rate else rng.choice(L, rng.integers(1, 6), replace=False).tolist()
+        feats = rng.choice(d, rng.integers(0, 8), replace=False)
+        vals = [rng.choice(["1", f"{rng.random():.6f}", f"{rng.normal():.4e}", "0.5", "3"]) for _ in feats]
+        out.append(",".join(map(str, labs)) + " " + " ".join(f"{j}:{v}" for j, v in zip(feats, vals)))
+    return "\n".join(out) + "\n"
+
+
+@pytest.mark.parametrize("chunk", [64, 1 << 20])
+def test_reader_matches_naive_parser(tmp_path, monkeypatch, chunk):
+    monkeypatch.setattr(xc_format, "CHUNK_BYTES", chunk)  # small chunks: lines straddle chunk borders
+    rng = np.random.default_rng(chunk)
+    path = tmp_path / "data.txt"
+    path.write_text(random_xc_text(rng))
+    n, d, L, labels, rows = naive_parse(path)
+    data = read_xc(path)
+    assert data.features.shape == (n, d) and data.labels.num_labels == L and data.num_features == d
+    assert data.labels.to_lists() == labels
+    for i in range(n):
+        r = data.features[i]
+        got = dict(zip(r.indices.tolist(), r.data.tolist()))
+        assert got.keys() == rows[i].keys()
+        np.testing.assert_allclose([got[k] for k in rows[i]], np.float32(list(rows[i].values())), rtol=1e-6)
+    assert read_xc(path, labels_only=True).labels.to_lists() == labels
+
+
+def test_writer_round_trip(tmp_path):
+    rng = np.random.default_rng(1)
+    n, d, L = 40, 25, 12
+    x = sp.random(n, d, density=0.2, random_state=2, dtype=np.float32, data_rvs=lambda k: rng.normal(size=k) * 100)
+    x = sp.csr_matrix(x)
+    lists = [sorted(rng.choice(L, rng.integers(0, 4), replace=False).tolist()) for _ in range(n)]
+    labels = LabelCSR(np.cumsum([0] + [len(r) for r in lists]), np.concatenate([r for r in lists] + [[]]), L)
+    path = tmp_path / "rt.txt"
+    write_xc(path, x, labels)
+    back = read_xc(path)
+    assert back.labels.to_lists() == lists
+    assert (back.features != x).nnz == 0  # bit-exact float32 values
+    assert back.features.dtype == np.float32
+    # dense input, all-zero rows and no labels at all
+    dense = np.zeros((3, 4), np.float32)
+    dense[1, 2] = 0.125
+    empty = LabelCSR(np.zeros(4, np.int64), np.zeros(0, np.int64), 5)
+    write_xc(path, dense, empty)
+    back = read_xc(path)
+    np.testing.assert_array_equal(back.features.toarray(), dense)
+    assert back.labels.to_lists() == [[], [], []]
+
+
+def test_sparse_label_files(tmp_path):
+    lists = [[3, 1], [], [0, 4, 2]]
+    labels = LabelCSR([0, 2, 2, 5], [3, 1, 0, 4, 2], 5)
+    path = tmp_path / "trn_X_Y.txt"
+    write_sparse_labels(path, labels)
+    assert path.read_text().splitlines()[0] == "3 5"
+    got = read_sparse_labels(path)
+    assert got.to_lists() == [sorted(r) for r in lists] and got.num_labels == 5
+    assert read_labels(path).to_lists() == got.to_lists()  # told apart from XC files by the header
+    m = read_sparse_matrix(path)
+    assert m.shape == (3, 5) and m.nnz == 5
+
+
+def test_edge_cases(tmp_path):
+    path = tmp_path / "e.txt"
+    # empty label field, labels without features, CRLF, tabs, repeated label, trailing blank line, no final newline
+    path.write_bytes(b"4 6 5\r\n 0:1 5:2\r\n2,2,0\n1\t3:0.5\n4 1:1e-3 1:1")
+    d = read_xc(path)
+    assert d.labels.to_lists() == [[], [0, 2], [1], [4]]
+    np.testing.assert_allclose(d.features.toarray()[3], [0, 1.001, 0, 0, 0, 0], rtol=1e-6)
+    path.write_text("2 3 2\n0 0:1\n1 1:1\n\n\n")
+    assert read_xc(path).labels.to_lists() == [[0], [1]]
+    path.write_text("0 3 2\n")
+    assert read_xc(path).labels.num_points == 0
+
+
+BAD = [
+    ("", "1: empty file"),
+    ("3 4\n", "1: malformed header"),
+    ("x 4 5\n", "1: malformed header"),
+    ("2 4 5\n0 1:1\n1;2 0:1\n", ":3: label '1;2'"),
+    ("2 4 5\n0 1:1\n1,,2 0:1\n", ":3: label ''"),
+    ("2 4 5\n0 1:1\n1 0:1 2\n", ":3: entry '2' is not 'index:value'"),
+    ("2 4 5\n0 1:1\n1 0:1:2\n", ":3: entry '0:1:2'"),
+    ("2 4 5\n0 1:1\n1 0:\n", ":3: entry '0:'"),
+    ("2 4 5\n0 1:1\n1 0:abc\n", ":3: value in '0:abc' is not a number"),
+    ("2 4 5\n0 1:1\n1 0:1.5.3\n", ":3: value in '0:1.5.3'"),
+    ("2 4 5\n0 1:1\n7 0:1\n", ":3: label id 7 >= 5"),
+    ("2 4 5\n0 1:1\n1 4:1\n", ":3: feature index 4 >= 4"),
+    ("2 4 5\n0 1:nan\n1 0:1\n", ":2: value nan"),
+    ("2 4 5\n0 1:1\n1 0:inf\n", ":3: value inf"),
+    ("2 4 5\n0 1:1\n1 0:1e300\n", ":3: value 1e+300"),
+    ("3 4 5\n0 1:1\n1 0:1\n", ":4: the file ends after 2 data lines"),
+    ("1 4 5\n0 1:1\n1 0:1\n", ":3: more data lines than the 1 points"),
+]
+
+
+@pytest.mark.parametrize("text,message", BAD, ids=[m for _, m in BAD])
+def test_bad_input_names_file_and_line(tmp_path, text, message):
+    path = tmp_path / "bad.txt"
+    path.write_text(text)
+    with pytest.raises(DataError) as info:
+        read_xc(path)
+    msg = str(info.value)
+    assert msg.startswith(str(path)) and message in msg and "\n" not in msg, msg
+
+
+def test_bad_line_deep_in_a_large_file(tmp_path, monkeypatch):
+    monkeypatch.setattr(xc_format, "CHUNK_BYTES", 256)
+    lines = ["500 10 10"] + [f"{i % 10} {i % 10}:1" for i in range(500)]
+    lines[377] = "3 2:1 x"
+    path = tmp_path / "big.txt"
+    path.write_text("\n".join(lines) + "\n")
+    with pytest.raises(DataError, match=r"big.txt:378: entry 'x'"):
+        read_xc(path)
+
+
+def test_missing_file(tmp_path):
+    with pytest.raises(DataError, match="file not found"):
+        read_xc(tmp_path / "nope.txt")
+    with pytest.raises(DataError, match="file not found"):
+        read_labels(tmp_path / "nope.txt")
+
+
+SHARED = shared_data_root()
+
+
+@pytest.mark.skipif(not (SHARED / "Delicious").is_dir(), reason="shared data not available")
+@pytest.mark.parametrize("name,n,d,L,avg", [("Bibtex", 4880, 1836, 159, 2.380), ("Delicious", 12920, 500, 983, 19.047)])
+def test_real_files(name, n, d, L, avg):
+    path = SHARED / name / f"{name.lower()}_train_xc.txt"
+    data = read_xc(path)
+    assert data.features.shape == (n, d) and data.labels.num_labels == L
+    assert data.labels.nnz / n == pytest.approx(avg, abs=1e-3)
+    _, _, _, labels, rows = naive_parse(path)
+    assert data.labels.to_lists() == labels
+    assert data.features.nnz == sum(len(r) for r in rows)
+    if name == "Delicious":
+        assert int((data.labels.lengths() == 0).sum()) == 10  # points without labels, per the data's README

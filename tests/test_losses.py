@@ -1,0 +1,106 @@
+"""Losses from label lists against their formulas on a dense target: values and gradients."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from xmc_repro.errors import ConfigError
+from xmc_repro.losses import bce_loss, build_loss, dense_targets, squared_hinge_loss
+
+
+def random_batch(seed, b=7, L=13, dtype=torch.float32):
+    g = torch.Generator().manual_seed(seed)
+    scores = (torch.randn(b, L, generator=g, dtype=dtype) * 1.5).requires_grad_()
+    lengths = torch.randint(0, 5, (b,), generator=g)
+    lengths[0] = 0  # a point without labels
+    ptr = torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)])
+    idx = torch.cat([torch.randperm(L, generator=g)[:n] for n in lengths.tolist()])
+    return scores, ptr, idx
+
+
+def formula(name, scores, y):
+    if name == "squared_hinge":
+        return torch.relu(1 - (2 * y - 1) * scores).pow(2).mean()
+    return F.binary_cross_entropy_with_logits(scores, y)
+
+
+@pytest.mark.parametrize("name", ["squared_hinge", "bce"])
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_loss_and_gradient_match_the_formula(name, seed):
+    scores, ptr, idx = random_batch(seed)
+    y = torch.zeros(scores.shape)
+    for i in range(len(ptr) - 1):  # independent target construction
+        y[i, idx[ptr[i] : ptr[i + 1]]] = 1
+    torch.testing.assert_close(dense_targets(ptr, idx, scores.shape[1]), y)
+    loss = build_loss(name)(scores, ptr, idx)
+    (grad,) = torch.autograd.grad(loss, scores)
+    ref_scores = scores.detach().clone().requires_grad_()
+    ref = formula(name, ref_scores, y)
+    ref.backward()
+    torch.testing.assert_close(loss, ref)
+    torch.testing.assert_close(grad, ref_scores.grad)
+
+
+def test_squared_hinge_gradient_is_exactly_zero_beyond_the_margin():
+    scores = torch.tensor([[-3.0, -1.0, -0.5, 2.0, 0.5]], requires_grad=True)
+    loss = squared_hinge_loss(scores, torch.tensor([0, 2]), torch.tensor([3, 4]))
+    loss.backward()
+    # negatives at s <= -1 and positives at s >= 1 contribute nothing
+    assert scores.grad[0, 0] == 0 and scores.grad[0, 1] == 0 and scores.grad[0, 3] == 0
+    assert scores.grad[0, 2] > 0 and scores.grad[0, 4] < 0
+    assert loss.item() == pytest.approx((0.5**2 + 0.5**2) / 5)
+
+
+def test_repeated_labels_count_once():
+    scores = torch.randn(3, 6, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    ptr, idx = torch.tensor([0, 4, 5, 7]), torch.tensor([2, 2, 5, 2, 0, 1, 1])
+    y = torch.zeros(3, 6, dtype=torch.float64)
+    y[0, [2, 5]] = y[1, 0] = y[2, 1] = 1
+    torch.testing.assert_close(dense_targets(ptr, idx, 6, dtype=torch.float64), y)
+    for name in ("squared_hinge", "bce"):
+        torch.testing.assert_close(build_loss(name)(scores, ptr, idx), formula(name, scores, y))
+
+
+@pytest.mark.parametrize("fn", [squared_hinge_loss, bce_loss])
+def test_float64_gradcheck(fn):
+    scores, ptr, idx = random_batch(3, b=4, L=6, dtype=torch.float64)
+    assert torch.autograd.gradcheck(lambda s: fn(s, ptr, idx), (scores,))
+
+
+def test_large_batch_is_summed_in_slices(monkeypatch):
+    import xmc_repro.losses as losses
+
+    monkeypatch.setattr(losses, "_CHUNK", 50)  # several slices of rows
+    scores, ptr, idx = random_batch(4, b=20, L=31)
+    y = dense_targets(ptr, idx, 31)
+    for name in ("squared_hinge", "bce"):
+        torch.testing.assert_close(build_loss(name)(scores, ptr, idx), formula(name, scores, y))
+
+
+def test_labels_on_another_device_or_dtype_and_half_scores():
+    scores, ptr, idx = random_batch(5)
+    y = dense_targets(ptr, idx, scores.shape[1])
+    got = squared_hinge_loss(scores.detach().half(), ptr.int(), idx.int())
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got, formula("squared_hinge", scores.detach().half().float(), y), rtol=1e-3, atol=1e-3)
+
+
+def test_unknown_loss_name():
+    with pytest.raises(ConfigError, match="loss.name='hinge' is unknown; use one of squared_hinge, bce"):
+        build_loss("hinge")
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("name", ["squared_hinge", "bce"])
+def test_cuda_matches_cpu_with_labels_left_on_the_host(name):
+    scores, ptr, idx = random_batch(6, b=32, L=5000)
+    cpu = build_loss(name)(scores, ptr, idx)
+    (g_cpu,) = torch.autograd.grad(cpu, scores)
+    s_gpu = scores.detach().cuda().requires_grad_()
+    gpu = build_loss(name)(s_gpu, ptr, idx)
+    (g_gpu,) = torch.autograd.grad(gpu, s_gpu)
+    torch.testing.assert_close(gpu.cpu(), cpu)
+    torch.testing.assert_close(g_gpu.cpu(), g_cpu)

@@ -1,0 +1,243 @@
+"""The LightningDataModule: splits -> batches ``(x float32 (B, D), label_ptr int64 (B+1,), label_idx int64 (nnz,))``.
+
+A batch is gathered in one step from a whole list of row indices (a batch sampler, no per-item
+``__getitem__`` + collate), so a 490k-point epoch is not dominated by Python overhead. Labels stay
+CSR; the dense target exists only on the device, inside the loss.
+
+The training loader is resumable: its ``state_dict`` (saved by Lightning into checkpoints) holds the
+epoch and the batches already consumed, and each epoch's order is a permutation seeded by
+``(seed, epoch)`` alone, so a run resumed mid-epoch sees exactly the batches an uninterrupted run sees.
+"""
+
+from __future__ import annotations
+
+import math
+
+import lightning.pytorch as pl
+import numpy as np
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+from xmc_repro.data.features import dense_rows
+from xmc_repro.data.sources import Split, load_splits
+from xmc_repro.errors import ConfigError
+
+
+class LabelCounts(np.ndarray):
+    """Training points per label, (num_labels,) int64, that also knows the number of training points."""
+
+    num_points: int
+
+    def __new__(cls, counts: np.ndarray, num_points: int):
+        obj = np.asarray(counts, np.int64).view(cls)
+        obj.num_points = int(num_points)
+        return obj
+
+    def __array_finalize__(self, obj):
+        self.num_points = getattr(obj, "num_points", None)
+
+
+class BatchDataset(Dataset):
+    """Indexed by a whole batch of positions; returns the batch tuple."""
+
+    def __init__(self, split: Split, rows: np.ndarray | None = None):
+        self.split = split
+        self.rows = rows  # positions -> rows of the split (a subset, e.g. without the holdout part)
+
+    def __len__(self) -> int:
+        return self.split.num_points if self.rows is None else len(self.rows)
+
+    def __getitem__(self, positions) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        rows = np.asarray(positions, np.int64)
+        if self.rows is not None:
+            rows = self.rows[rows]
+        labels = self.split.labels.take(rows)
+        x = dense_rows(self.split.features, rows)
+        return torch.from_numpy(x), torch.from_numpy(labels.ptr), torch.from_numpy(labels.idx)
+
+
+def _keep(batch):
+    """collate_fn: the dataset already made the batch (the default would turn the tuple into a list)."""
+    return batch
+
+
+class EpochBatchSampler:
+    """Batches of positions: a permutation from ``(seed, epoch)`` when shuffling, else in order.
+
+    ``start`` batches of the epoch are skipped (set when resuming); a completed pass moves to the next
+    epoch by itself, and Lightning's ``set_epoch`` keeps the count in step.
+    """
+
+    def __init__(self, n: int, batch_size: int, shuffle: bool, seed: int = 0, order: np.ndarray | None = None):
+        self.n, self.batch_size, self.shuffle, self.seed = n, batch_size, shuffle, seed
+        self.fixed_order = order
+        self.epoch, self.start = 0, 0
+
+    def __len__(self) -> int:
+        return math.ceil(self.n / self.batch_size)
+
+    def set_epoch(self, epoch: int) -> None:
+        if epoch != self.epoch:
+            self.epoch, self.start = epoch, 0
+
+    def order(self, epoch: int) -> np.ndarray:
+        if self.fixed_order is not None:
+            return self.fixed_order
+        if self.shuffle:
+            return np.random.default_rng([self.seed, epoch]).permutation(self.n)
+        return np.arange(self.n)
+
+    def __iter__(self):
+        order, bs = self.order(self.epoch), self.batch_size
+        for b in range(self.start, len(self)):
+            yield order[b * bs : (b + 1) * bs]
+        self.epoch, self.start = self.epoch + 1, 0
+
+
+class ResumableLoader(DataLoader):
+    """A DataLoader over an EpochBatchSampler that counts the batches it has handed out."""
+
+    def __init__(self, dataset: BatchDataset, sampler: EpochBatchSampler, **kwargs):
+        super().__init__(dataset, batch_size=None, sampler=sampler, collate_fn=_keep, **kwargs)
+        self._epoch, self._consumed = sampler.epoch, sampler.start
+
+    def __iter__(self):
+        self._epoch, self._consumed = self.sampler.epoch, self.sampler.start
+        for batch in super().__iter__():
+            self._consumed += 1
+            yield batch
+
+    def state_dict(self) -> dict:
+        return {"epoch": self._epoch, "consumed": self._consumed, "seed": self.sampler.seed, "n": self.sampler.n}
+
+    def load_state_dict(self, state: dict) -> None:
+        s = self.sampler
+        if state.get("n", s.n) != s.n or state.get("seed", s.seed) != s.seed:
+            raise ConfigError(
+                f"the checkpoint's training data ({state.get('n')} points, seed {state.get('seed')}) differs from "
+                f"this run's ({s.n} points, seed {s.seed}); resume with the same dataset and seed"
+            )
+        if state["consumed"] >= len(s):
+            s.epoch, s.start = state["epoch"] + 1, 0
+        else:
+            s.epoch, s.start = state["epoch"], state["consumed"]
+        self._epoch, self._consumed = s.epoch, s.start
+
+
+class XMCDataModule(pl.LightningDataModule):
+    """Train / validation / test loaders for one dataset config; ``setup`` loads (or generates) once."""
+
+    def __init__(
+        self,
+        dataset_cfg,
+        batch_size: int = 32,
+        eval_batch_size: int | None = None,
+        num_workers: int = 0,
+        seed: int = 0,
+        validate_on: str | None = None,
+        pin_memory: bool = False,
+    ):
+        super().__init__()
+        self.cfg = _plain(dataset_cfg)
+        self.batch_size = int(batch_size)
+        self.eval_batch_size = int(eval_batch_size or batch_size)
+        self.num_workers = int(num_workers)
+        self.seed = int(seed)
+        self.validate_on = validate_on or self.cfg.get("validate_on") or "test"
+        self.pin_memory = pin_memory
+        self.holdout_fraction = float(self.cfg.get("holdout_fraction") or 0.1)
+        if self.validate_on not in ("test", "holdout"):
+            raise ConfigError(f"validate_on={self.validate_on!r} must be 'test' (the authors' protocol) or 'holdout'")
+        if not 0 < self.holdout_fraction < 1:
+            raise ConfigError(f"dataset.holdout_fraction={self.holdout_fraction} must be between 0 and 1")
+        if self.batch_size <= 0 or self.eval_batch_size <= 0:
+            raise ConfigError(f"batch sizes must be positive (got {self.batch_size}, {self.eval_batch_size})")
+        self._loaded = False
+
+    # ------------------------------------------------------------------ loading
+
+    def setup(self, stage: str | None = None) -> None:
+        if self._loaded:
+            return
+        train, test = load_splits(self.cfg)
+        self.train_split, self.test_split = train, test
+        self.train_rows = self.val_rows = None
+        if self.validate_on == "holdout":
+            n = train.num_points
+            held = max(1, int(round(n * self.holdout_fraction)))
+            if held >= n:
+                raise ConfigError(f"dataset.holdout_fraction={self.holdout_fraction} leaves no training points of {n}")
+            perm = np.random.default_rng([self.seed, 3]).permutation(n)
+            self.val_rows, self.train_rows = np.sort(perm[:held]), np.sort(perm[held:])
+        labels = train.labels if self.train_rows is None else train.labels.take(self.train_rows)
+        self.train_label_counts = LabelCounts(labels.label_counts(), labels.num_points)
+        self.num_features = train.num_features
+        self.num_labels = train.labels.num_labels
+        self._loaded = True
+
+    @property
+    def num_train_points(self) -> int:
+        return self.train_label_counts.num_points
+
+    # ------------------------------------------------------------------ loaders
+
+    def train_dataloader(self) -> ResumableLoader:
+        data = BatchDataset(self.train_split, self.train_rows)
+        sampler = EpochBatchSampler(len(data), self.batch_size, shuffle=True, seed=self.seed)
+        return ResumableLoader(data, sampler, **self._loader_kwargs())
+
+    def val_dataloader(self) -> DataLoader:
+        if self.validate_on == "holdout":
+            return self._eval_loader(BatchDataset(self.train_split, self.val_rows))
+        return self.test_dataloader()
+
+    def test_dataloader(self) -> DataLoader:
+        return self._eval_loader(BatchDataset(self.test_split))
+
+    def train_eval_dataloader(self, max_points: int | None = None) -> DataLoader:
+        """Training points for train P@k, in a fixed seeded random order: any prefix is a uniform sample.
+
+        ``max_points`` (or ``dataset.train_eval_max_points``) keeps only that many, for huge train sets.
+        """
+        data = BatchDataset(self.train_split, self.train_rows)
+        order = np.random.default_rng([self.seed, 7]).permutation(len(data))
+        limit = max_points if max_points is not None else self.cfg.get("train_eval_max_points")
+        if limit is not None:
+            order = order[: int(limit)]
+        return self._eval_loader(data, order)
+
+    def _eval_loader(self, data: BatchDataset, order: np.ndarray | None = None) -> DataLoader:
+        n = len(data) if order is None else len(order)
+        sampler = EpochBatchSampler(n, self.eval_batch_size, shuffle=False, order=order)
+        return DataLoader(data, batch_size=None, sampler=sampler, collate_fn=_keep, **self._loader_kwargs())
+
+    def _loader_kwargs(self) -> dict:
+        kwargs = {"num_workers": self.num_workers, "pin_memory": self.pin_memory}
+        if self.num_workers > 0:
+            kwargs["persistent_workers"] = True
+        return kwargs
+
+
+def _plain(cfg) -> dict:
+    """A DictConfig (resolved) or a mapping as a plain dict."""
+    try:
+        from omegaconf import DictConfig, OmegaConf
+
+        if isinstance(cfg, DictConfig):
+            return OmegaConf.to_container(cfg, resolve=True)
+    except ImportError:
+        pass
+    return dict(cfg)
+
+
+def build_datamodule(
+    dataset_cfg,
+    batch_size: int = 32,
+    num_workers: int = 0,
+    seed: int = 0,
+    validate_on: str | None = None,
+    eval_batch_size: int | None = None,
+    pin_memory: bool = False,
+) -> XMCDataModule:
+    """The DataModule for ``cfg.dataset`` (DictConfig or dict); call ``setup("fit")`` to load."""
+    return XMCDataModule(dataset_cfg, batch_size, eval_batch_size, num_workers, seed, validate_on, pin_memory)

@@ -1,0 +1,74 @@
+"""Dense input features: ``.npy`` embeddings (memory-mapped) and bag-of-words rows made dense per batch."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import scipy.sparse as sp
+
+from xmc_repro.errors import DataError
+
+FINITE_CHECK_ROWS = 65536  # rows per pass of the NaN/Inf scan, so a memory map is never read whole
+
+
+def load_npy_features(path: str | Path, rows: int | None = None, dim: int | None = None) -> np.ndarray:
+    """A float32 (points, dim) ``.npy`` file, memory-mapped (read-only); checked for shape, dtype and NaN/Inf.
+
+    ``rows``: the point count of the matching labels file; ``dim``: the expected embedding size.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise DataError(f"{path}: file not found; check the path (or the dataset.data_dir setting)")
+    try:
+        x = np.load(path, mmap_mode="r", allow_pickle=False)
+    except Exception as error:  # not an .npy file, truncated header, object array
+        raise DataError(f"{path}: not a readable .npy array ({error}); write it with numpy.save") from None
+    if x.dtype != np.float32:
+        raise DataError(
+            f"{path}: dtype {x.dtype}, expected float32; convert it with "
+            f"numpy.save(path, numpy.load(path).astype(numpy.float32))"
+        )
+    if x.ndim != 2:
+        raise DataError(f"{path}: shape {x.shape}, expected a 2-D (points, features) array")
+    if rows is not None and x.shape[0] != rows:
+        raise DataError(
+            f"{path}: {x.shape[0]} rows but its labels file has {rows} points; the features and labels must list "
+            "the same points in the same order"
+        )
+    if dim is not None and x.shape[1] != dim:
+        raise DataError(
+            f"{path}: {x.shape[1]} features per point, expected {dim} (dataset.feature_dim); use the matching "
+            "embedding file or set dataset.feature_dim"
+        )
+    check_finite(x, path)
+    return x
+
+
+def check_finite(x: np.ndarray, path) -> None:
+    """DataError naming the first row (0-based) that holds NaN or Inf."""
+    for lo in range(0, x.shape[0], FINITE_CHECK_ROWS):
+        block = np.asarray(x[lo : lo + FINITE_CHECK_ROWS])
+        finite = np.isfinite(block)
+        if not finite.all():
+            r, c = np.argwhere(~finite)[0]
+            raise DataError(
+                f"{path}: row {lo + r} (0-based), column {c} is {block[r, c]}; features must be finite: "
+                "recompute the embedding of that point or replace the value"
+            )
+
+
+def normalize_rows(x: sp.csr_matrix, how: str) -> sp.csr_matrix:
+    """Bag-of-words rows scaled to unit L2 norm (``l2``) or left as they are (``none``)."""
+    if how == "none":
+        return x
+    norms = np.sqrt(np.asarray(x.multiply(x).sum(axis=1)).ravel())
+    norms[norms == 0] = 1.0
+    return sp.csr_matrix(sp.diags((1.0 / norms).astype(np.float32)) @ x, dtype=np.float32)
+
+
+def dense_rows(features, rows: np.ndarray) -> np.ndarray:
+    """float32 (len(rows), dim) C-contiguous block: a gather from a dense (or memory-mapped) array or a CSR matrix."""
+    if sp.issparse(features):
+        return features[rows].toarray().astype(np.float32, copy=False)
+    return np.ascontiguousarray(features[rows], dtype=np.float32)

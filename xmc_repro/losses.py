@@ -1,0 +1,112 @@
+"""Losses from label lists, averaged over batch and labels (as the authors' ``SparseLossBase``).
+
+* squared hinge ``relu(1 - (2y - 1) s)^2``: negatives with ``s <= -1`` get an exactly zero gradient;
+* BCE with logits ``softplus(s) - y s``.
+
+Both are written as "every label negative" plus a correction at the few positive entries, inside a
+custom autograd function: the (batch, labels) target never exists, forward keeps only the scores, and
+backward allocates one (batch, labels) tensor, the gradient itself. That matters at 670k labels,
+where each such tensor is ~86 MB per 32 points.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from xmc_repro.errors import ConfigError
+
+_CHUNK = 1 << 22  # elements per slice when summing the all-negative part (caps the temporary)
+
+
+def positive_positions(label_ptr: torch.Tensor, label_idx: torch.Tensor, num_labels: int, device) -> torch.Tensor:
+    """Flat positions ``row * num_labels + label`` of the positive entries, unique (a repeated label counts once)."""
+    label_ptr = label_ptr.to(device=device, dtype=torch.long)
+    label_idx = label_idx.to(device=device, dtype=torch.long)
+    lengths = label_ptr[1:] - label_ptr[:-1]
+    rows = torch.repeat_interleave(torch.arange(len(lengths), device=device), lengths)
+    return torch.unique(rows * num_labels + label_idx)
+
+
+def dense_targets(label_ptr, label_idx, num_labels: int, device=None, dtype=torch.float32) -> torch.Tensor:
+    """The (batch, labels) 0/1 target on ``device``, built from the CSR lists (for reference and small cases)."""
+    device = label_idx.device if device is None else device
+    b = len(label_ptr) - 1
+    y = torch.zeros(b * num_labels, dtype=dtype, device=device)
+    y[positive_positions(label_ptr, label_idx, num_labels, device)] = 1
+    return y.view(b, num_labels)
+
+
+def _acc(scores: torch.Tensor) -> torch.dtype:
+    """Sums run in float32 at least (float64 stays float64)."""
+    return torch.promote_types(scores.dtype, torch.float32)
+
+
+def _rowwise_sum(scores: torch.Tensor, fn) -> torch.Tensor:
+    """sum(fn(scores)), slice by slice of rows, in the accumulation dtype."""
+    b, n = scores.shape
+    step = max(1, _CHUNK // max(n, 1))
+    total = torch.zeros((), dtype=_acc(scores), device=scores.device)
+    for lo in range(0, b, step):
+        total = total + fn(scores[lo : lo + step].to(_acc(scores))).sum()
+    return total
+
+
+class _SquaredHinge(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, scores, positives):
+        s_pos = scores.reshape(-1)[positives].to(_acc(scores))
+        total = _rowwise_sum(scores, lambda s: (s + 1).clamp_(min=0).square_())
+        total = total + ((1 - s_pos).clamp(min=0).square() - (1 + s_pos).clamp(min=0).square()).sum()
+        ctx.save_for_backward(scores, positives)
+        return total / scores.numel()
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        scores, positives = ctx.saved_tensors
+        scale = grad_out * (2.0 / scores.numel())
+        grad = (scores + 1).clamp_(min=0).mul_(scale.to(scores.dtype))  # every entry as a negative
+        flat = grad.view(-1)
+        s_pos = scores.reshape(-1)[positives]
+        flat[positives] = ((1 - s_pos).clamp(min=0) * -scale).to(grad.dtype)
+        return grad, None
+
+
+class _BCE(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, scores, positives):
+        s_pos = scores.reshape(-1)[positives].to(_acc(scores))
+        total = _rowwise_sum(scores, F.softplus) - s_pos.sum()
+        ctx.save_for_backward(scores, positives)
+        return total / scores.numel()
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        scores, positives = ctx.saved_tensors
+        scale = grad_out / scores.numel()
+        grad = torch.sigmoid(scores).mul_(scale.to(scores.dtype))
+        flat = grad.view(-1)
+        flat[positives] = flat[positives] - scale.to(grad.dtype)
+        return grad, None
+
+
+def squared_hinge_loss(scores: torch.Tensor, label_ptr: torch.Tensor, label_idx: torch.Tensor) -> torch.Tensor:
+    """mean over batch and labels of ``relu(1 - (2y - 1) s)^2``; scores (B, L), labels as CSR lists."""
+    positives = positive_positions(label_ptr, label_idx, scores.shape[1], scores.device)
+    return _SquaredHinge.apply(scores, positives)
+
+
+def bce_loss(scores: torch.Tensor, label_ptr: torch.Tensor, label_idx: torch.Tensor) -> torch.Tensor:
+    """mean over batch and labels of binary cross-entropy with logits; scores (B, L), labels as CSR lists."""
+    positives = positive_positions(label_ptr, label_idx, scores.shape[1], scores.device)
+    return _BCE.apply(scores, positives)
+
+
+LOSSES = {"squared_hinge": squared_hinge_loss, "bce": bce_loss}
+
+
+def build_loss(name: str):
+    """The loss function named by ``loss.name``."""
+    if name not in LOSSES:
+        raise ConfigError(f"loss.name={name!r} is unknown; use one of {', '.join(LOSSES)} (e.g. loss=squared_hinge)")
+    return LOSSES[name]
