@@ -1,0 +1,95 @@
+"""End to end: `python -m xmc_repro -m` fills a real sqlite MLflow store, the report exports and renders it."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from xmc_repro.report import paper
+from xmc_repro.report.__main__ import main as report_main
+from xmc_repro.report.export import export
+from xmc_repro.report.grid import expected_configurations, write_grid
+from xmc_repro.report.render import table_rows
+
+ROOT = Path(__file__).resolve().parents[1]
+PAPER_P1 = {"squared_hinge": "31.7", "bce": "30.9"}  # Table 4: Amazon-670K slice, uniform 32 + 16k
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory):
+    """Table 4's smoke sweep narrowed to one stand-in (both losses), one epoch: two real runs, plus a failed one."""
+    tmp = tmp_path_factory.mktemp("pipeline")
+    uri = f"sqlite:///{tmp / 'mlruns.db'}"
+    command = [
+        sys.executable, "-m", "xmc_repro", "-m", "experiment=table4", "scale=smoke",
+        "dataset=smoke_amazon670k_slice", "trainer.max_epochs=1", "trainer.progress_bar=false",
+        f"logger.tracking_uri={uri}", f"hydra.sweep.dir={tmp / 'multirun'}",
+    ]  # fmt: skip
+    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(uri)
+    runs = client.search_runs([client.get_experiment_by_name("xmc_repro").experiment_id])
+    assert len(runs) == 2 and {r.info.status for r in runs} == {"FINISHED"}
+    # a crashed rerun of one of them with a better score must not replace it
+    crashed = client.create_run(runs[0].info.experiment_id).info.run_id
+    for key, value in runs[0].data.params.items():
+        client.log_param(crashed, key, value)
+    for key, value in runs[0].data.tags.items():
+        if not key.startswith("mlflow."):
+            client.set_tag(crashed, key, value)
+    client.log_metric(crashed, "test/p_at_1", 99.0)
+    client.set_terminated(crashed, "FAILED")
+    return tmp, uri, runs
+
+
+def test_export_of_pipeline_runs_matches_mlflow(store):
+    tmp, uri, runs = store
+    rows = export(tmp / "runs.csv", uri)
+    assert len(rows) == 2
+    logged = {r.data.params["loss/name"]: r for r in runs}
+    for row in rows:
+        run = logged[row["loss"]]
+        assert (row["table"], row["scale"], row["dataset"], row["features"]) == ("table4", "smoke", "Smoke-Amazon-670K",
+                                                                                 "slice")  # fmt: skip
+        assert (row["setup"], row["connectivity"], row["intermediate"]) == ("uniform", "32", "128")
+        assert float(row["test_p1"]) == pytest.approx(run.data.metrics["test/p_at_1"], rel=1e-5)
+        assert float(row["test_p5"]) == pytest.approx(run.data.metrics["test/p_at_5"], rel=1e-5)
+        assert row["run_ids"] == run.info.run_id and row["device"] == run.data.tags["device"]
+        assert row["memory_gib"] == ("" if row["device"].startswith("cpu") else row["memory_gib"])
+
+
+def test_rendered_table4_has_the_measured_rows_beside_the_paper_and_the_rest_missing(store):
+    tmp, uri, runs = store
+    export(tmp / "runs.csv", uri)
+    from xmc_repro.report.export import read_runs_csv
+
+    rows = table_rows("table4", "smoke", read_runs_csv(tmp / "runs.csv"), expected_configurations("table4", "smoke"),
+                      paper.load())  # fmt: skip
+    measured = [r for r in rows if r["status"] == "measured"]
+    assert len(measured) == 2 and sum(r["status"] == "missing" for r in rows) == 10  # the grid has 12 jobs
+    logged = {r.data.params["loss/name"]: r.data.metrics["test/p_at_1"] for r in runs}
+    for row in measured:
+        assert (row["dataset"], row["features"], row["setup"], row["intermediate"]) == (
+            "Amazon-670K", "slice", "uniform", "16384")  # fmt: skip
+        assert row["published_test_p1"] == PAPER_P1[row["loss"]] and row["published_source"] == "paper"
+        difference = logged[row["loss"]] - float(PAPER_P1[row["loss"]])
+        assert float(row["diff_test_p1"]) == pytest.approx(difference, abs=1e-4)
+
+
+def test_the_report_command_line_renders_files(store):
+    tmp, uri, _ = store
+    assert report_main(["--tracking-uri", uri, "export", "--out", str(tmp / "cli" / "runs.csv")]) == 0
+    assert write_grid(tmp / "cli" / "grid.csv", tables=("table4",), scales=("smoke",)) == 12
+    code = report_main(["render", "--runs", str(tmp / "cli" / "runs.csv"), "--grid", str(tmp / "cli" / "grid.csv"),
+                        "--tables", str(tmp / "cli" / "tables"), "--figures", str(tmp / "cli" / "figures")])  # fmt: skip
+    assert code == 0
+    text = (tmp / "cli" / "tables" / "table4.md").read_text()
+    assert "Smoke-Amazon-670K slice: uniform 32 + 128" in text and "| missing |" in text
+    assert sorted(p.name for p in (tmp / "cli" / "tables").iterdir()) == sorted(
+        f"table{n}.{ext}" for n in range(1, 6) for ext in ("md", "tex", "csv"))  # fmt: skip

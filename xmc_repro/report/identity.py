@@ -1,0 +1,118 @@
+"""What configuration a run is, and which of the paper's rows it reproduces.
+
+A run's *configuration* is read from its flattened config (MLflow params such as `model/head`) and tags
+(`table`, `scale`); seeds are not part of it, they are what the export averages over. The paper names rows by
+(dataset, features, setup, connectivity, intermediate, loss); `paper_key` translates a configuration into that
+name, so that published and measured values can stand side by side.
+"""
+
+from __future__ import annotations
+
+# The paper's datasets and feature sets -> our config of it (conf/dataset/<name>.yaml), which also names figures.
+# Our configs carry the paper's names (`dataset.name`, `dataset.features`); the smoke scale's stand-ins
+# (conf/dataset/smoke_*.yaml) are named `Smoke-<the paper's name>` with the features they stand in for.
+PAPER_DATASETS = {
+    ("Wiki10-31K", "cascade"): "wiki10_31k",
+    ("Amazon-670K", "slice"): "amazon670k_slice",
+    ("Amazon-670K", "cascade"): "amazon670k_cascade",
+    ("Wikipedia-500K", "slice"): "wikipedia500k_slice",
+    ("Wikipedia-500K", "cascade"): "wikipedia500k_cascade",
+}
+SMOKE_PREFIX = "Smoke-"
+# The paper lists a dense layer's connectivity as its input size: the feature dimension.
+FEATURE_DIMS = {"slice": "512", "cascade": "768"}
+
+# The smoke scale keeps the grid's shape with every intermediate layer 128 times narrower
+# (conf/experiment/grid/*_smoke.yaml): 64 stands for 8k, 128 for 16k, ..., 781 for 100k.
+SMOKE_WIDTH_DIVISOR = 128
+PAPER_WIDTHS = (8192, 16384, 32768, 65536, 100000)
+
+# Columns that name a configuration, in runs.csv and the rendered tables.
+CONFIG_COLUMNS = (
+    "table", "scale", "dataset", "features", "setup", "connectivity", "intermediate", "bottleneck", "mach_hashes",
+    "mach_buckets", "loss",
+)  # fmt: skip
+NO_SCALE = "none"  # a run tagged with a table but launched without a scale
+
+
+def _value(params: dict, key: str) -> str:
+    """A param as MLflow stores it, with null spelled as the empty string."""
+    value = params.get(key)
+    return "" if value is None or str(value) in ("None", "null", "") else str(value)
+
+
+def configuration(params: dict, tags: dict) -> dict[str, str]:
+    """The configuration of a run (or of a composed config flattened like MLflow params).
+
+    Settings that do not apply to the head are blanked, so that e.g. a dense run's leftover
+    `model.connectivity` does not split one configuration in two.
+    """
+    setup = _value(params, "model/head")
+    return {
+        "table": tags.get("table") or "",
+        "scale": tags.get("scale") or NO_SCALE,
+        "dataset": _value(params, "dataset/name"),
+        "features": _value(params, "dataset/features"),
+        "setup": setup,
+        "connectivity": _value(params, "model/connectivity") if setup in ("uniform", "unstructured") else "",
+        "intermediate": _value(params, "model/intermediate"),
+        "bottleneck": _value(params, "model/bottleneck") if setup == "bottleneck" else "",
+        "mach_hashes": _value(params, "model/mach/num_hashes") if setup == "mach" else "",
+        "mach_buckets": _value(params, "model/mach/num_buckets") if setup == "mach" else "",
+        "loss": _value(params, "loss/name"),
+    }
+
+
+def config_key(config: dict) -> tuple[str, ...]:
+    return tuple(str(config.get(column, "")) for column in CONFIG_COLUMNS)
+
+
+def paper_dataset(dataset: str, features: str) -> tuple[str, str] | None:
+    """(paper dataset, features) that one of our datasets is, or stands in for; None if the paper has none."""
+    paper = (dataset.removeprefix(SMOKE_PREFIX), features)
+    return paper if paper in PAPER_DATASETS else None
+
+
+def paper_width(width: str, scale: str) -> str:
+    """The paper's intermediate size that our `width` at `scale` corresponds to."""
+    if not width or scale != "smoke":
+        return width
+    for paper in PAPER_WIDTHS:
+        if round(paper / SMOKE_WIDTH_DIVISOR) == int(width):
+            return str(paper)
+    return width
+
+
+def paper_key(config: dict) -> tuple[str, ...] | None:
+    """The paper's name for this configuration's row: (dataset, features, setup, connectivity, intermediate, loss).
+
+    None when the paper has no such dataset. The paper writes a bottleneck of size b as connectivity b and
+    intermediate b, and a dense layer's connectivity as the input size.
+    """
+    paper = paper_dataset(config["dataset"], config["features"])
+    if paper is None:
+        return None
+    dataset, features = paper
+    setup, intermediate = config["setup"], paper_width(config["intermediate"], config["scale"])
+    connectivity = config["connectivity"]
+    if setup == "dense":
+        connectivity = FEATURE_DIMS[features]
+    elif setup == "bottleneck":
+        connectivity = config["bottleneck"]
+        intermediate = intermediate or config["bottleneck"]
+    return (dataset, features, setup, connectivity, intermediate, config["loss"])
+
+
+def describe(config: dict) -> str:
+    """A short label of the architecture, e.g. `uniform 32 + 32768` or `mach 4x64`."""
+    setup = config["setup"]
+    label = setup
+    if config.get("connectivity"):
+        label += f" {config['connectivity']}"
+    if setup == "bottleneck" and config.get("bottleneck"):
+        label += f" {config['bottleneck']}"
+    if setup == "mach":
+        label += f" {config['mach_hashes']}x{config['mach_buckets']}"
+    if config.get("intermediate"):
+        label += f" + {config['intermediate']}"
+    return label
