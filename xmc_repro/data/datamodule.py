@@ -68,9 +68,13 @@ class EpochBatchSampler:
     epoch by itself, and Lightning's ``set_epoch`` keeps the count in step.
     """
 
-    def __init__(self, n: int, batch_size: int, shuffle: bool, seed: int = 0, order: np.ndarray | None = None):
+    def __init__(self, n: int, batch_size: int, shuffle: bool, seed: int = 0, order: np.ndarray | None = None,
+                 rank: int = 0, world_size: int = 1):
         self.n, self.batch_size, self.shuffle, self.seed = n, batch_size, shuffle, seed
         self.fixed_order = order
+        # Under DDP every rank walks the same global batches and keeps its 1/world_size share of each, so
+        # `batch_size` stays the global batch and a step sees the same points as a single-process step.
+        self.rank, self.world_size = rank, world_size
         self.epoch, self.start = 0, 0
 
     def __len__(self) -> int:
@@ -90,7 +94,12 @@ class EpochBatchSampler:
     def __iter__(self):
         order, bs = self.order(self.epoch), self.batch_size
         for b in range(self.start, len(self)):
-            yield order[b * bs : (b + 1) * bs]
+            batch = order[b * bs : (b + 1) * bs]
+            if self.world_size > 1:
+                if len(batch) < self.world_size:  # a last batch too small to give every rank a point: skipped by all
+                    continue
+                batch = np.array_split(batch, self.world_size)[self.rank]
+            yield batch
         self.epoch, self.start = self.epoch + 1, 0
 
 
@@ -183,7 +192,9 @@ class XMCDataModule(pl.LightningDataModule):
 
     def train_dataloader(self) -> ResumableLoader:
         data = BatchDataset(self.train_split, self.train_rows)
-        sampler = EpochBatchSampler(len(data), self.batch_size, shuffle=True, seed=self.seed)
+        trainer = self.trainer  # set when Lightning runs this DataModule; None when used on its own
+        rank, world = (trainer.global_rank, trainer.world_size) if trainer is not None else (0, 1)
+        sampler = EpochBatchSampler(len(data), self.batch_size, shuffle=True, seed=self.seed, rank=rank, world_size=world)
         return ResumableLoader(data, sampler, **self._loader_kwargs())
 
     def val_dataloader(self) -> DataLoader:

@@ -1,0 +1,205 @@
+"""DDP over 2 CPU processes (gloo) through Lightning: ranks agree after every rewiring, and the run equals one
+process trained on the same global batches; plus the cross-rank check and the multirun/ddp launch rule."""
+
+from __future__ import annotations
+
+import copy
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from omegaconf import OmegaConf
+from torch.utils.data import DataLoader
+
+from xmc_repro.callbacks import Rewiring
+from xmc_repro.distributed import (
+    RankDivergenceError,
+    assert_identical_across_ranks,
+    fingerprint,
+    launch_problem,
+    launch_rank,
+)
+from xmc_repro.model import XMCClassifier
+
+N_TRAIN, N_VAL, FEATURES, LABELS = 96, 32, 24, 40
+GLOBAL_BATCH = 16
+REWIRE_EVERY = 3  # 12 steps in 2 epochs: 4 rewirings
+
+
+def tiny_data(seed: int):
+    """x (n, FEATURES) and 1-3 labels per row, as CSR lists."""
+    g = torch.Generator().manual_seed(seed)
+    n = N_TRAIN + N_VAL
+    x = torch.randn(n, FEATURES, generator=g)
+    counts = torch.randint(1, 4, (n,), generator=g)
+    label_ptr = torch.cat([torch.zeros(1, dtype=torch.long), counts.cumsum(0)])
+    label_idx = torch.cat([torch.randperm(LABELS, generator=g)[:c] for c in counts.tolist()])
+    return x, label_ptr, label_idx
+
+
+class TinyData(pl.LightningDataModule):
+    """Global batches of GLOBAL_BATCH rows in order; under DDP each rank takes its half of every global batch
+    (what the pipeline's DataModule does), so both runs step on the same points."""
+
+    def __init__(self, data):
+        super().__init__()
+        self.data = data
+
+    def _loader(self, rows, world=1, rank=0):
+        batches = [rows[i : i + GLOBAL_BATCH] for i in range(0, len(rows), GLOBAL_BATCH)]
+        batches = [b[rank::world] for b in batches]
+        return DataLoader(batches, batch_size=None, shuffle=False, collate_fn=self.collate)
+
+    def train_dataloader(self):
+        return self._loader(list(range(N_TRAIN)), self.trainer.world_size, self.trainer.global_rank)
+
+    def val_dataloader(self):
+        return self._loader(list(range(N_TRAIN, N_TRAIN + N_VAL)))
+
+    def collate(self, rows):
+        x, ptr, idx = self.data
+        labels = [idx[ptr[r] : ptr[r + 1]] for r in rows]
+        lengths = torch.tensor([0] + [len(lab) for lab in labels])
+        return x[rows], lengths.cumsum(0), torch.cat(labels)
+
+
+class Recorder(pl.Callback):
+    """Saves each rank's sparse layer and optimizer state after fit, and probes the cross-rank check."""
+
+    def __init__(self, folder):
+        self.folder = folder
+
+    def on_train_end(self, trainer, pl_module):
+        rank = trainer.global_rank
+        probe = None
+        try:  # ranks deliberately disagree: every rank must get the error, none may hang
+            assert_identical_across_ranks({"probe": torch.tensor([rank])}, "a probe")
+        except RankDivergenceError as error:
+            probe = str(error)
+        assert_identical_across_ranks({"agreed": torch.tensor([7])}, "a probe")  # agreement passes
+        state = {k: v.detach().clone() for k, v in pl_module.state_dict().items()}
+        rewiring = next(c for c in trainer.callbacks if isinstance(c, Rewiring))
+        torch.save({"state": state, "rewirings": rewiring.rewirings, "world": trainer.world_size,
+                    "steps": trainer.global_step, "probe": probe}, self.folder / f"rank{rank}.pt")
+
+
+def train(model, data, devices: int, folder, rewiring=None):
+    rewiring = rewiring or Rewiring(0.25, every_n_steps=REWIRE_EVERY, seed=5)
+    trainer = pl.Trainer(
+        accelerator="cpu", devices=devices, max_epochs=2,
+        strategy="ddp_fork" if devices > 1 else "auto",  # fork: the ranks reuse this process's imports
+        use_distributed_sampler=False,  # as the pipeline: the data module shards each global batch
+        callbacks=[rewiring, Recorder(folder)],
+        logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        num_sanity_val_steps=0,
+    )
+    trainer.fit(model, datamodule=TinyData(data))
+
+
+@pytest.mark.parametrize("head", ["uniform"])
+def test_ddp_two_ranks_match_one_process(tmp_path, head):
+    torch.manual_seed(0)
+    model = XMCClassifier(FEATURES, LABELS, head=head, connectivity=4, intermediate=16, dropout=0.0)
+    initial = model.head.indices.clone()
+    data = tiny_data(1)
+    (tmp_path / "single").mkdir()
+    (tmp_path / "ddp").mkdir()
+    train(copy.deepcopy(model), data, 1, tmp_path / "single")
+    train(copy.deepcopy(model), data, 2, tmp_path / "ddp")
+
+    single = torch.load(tmp_path / "single" / "rank0.pt")
+    ranks = [torch.load(tmp_path / "ddp" / f"rank{r}.pt") for r in (0, 1)]
+    assert single["rewirings"] == 4 and single["steps"] == 12
+    for rank in ranks:
+        assert rank["world"] == 2 and rank["rewirings"] == 4 and rank["steps"] == 12
+        assert rank["probe"] is not None and "rank(s) [1]" in rank["probe"]
+    assert single["probe"] is None  # one process: nothing to compare
+
+    # Every rank holds bit-identical connections and weights ...
+    for key in ranks[0]["state"]:
+        assert torch.equal(ranks[0]["state"][key], ranks[1]["state"][key]), key
+    # ... which rewiring really changed, to exactly the single-process connections ...
+    indices = ranks[0]["state"]["head.indices"]
+    assert not torch.equal(indices, initial)
+    assert torch.equal(indices, single["state"]["head.indices"])
+    # ... and the trained weights equal the single-process run on the same global batches.
+    for key, value in single["state"].items():
+        if value.is_floating_point():
+            torch.testing.assert_close(ranks[0]["state"][key], value, rtol=1e-4, atol=1e-5, msg=key)
+
+
+class RankSeededRewiring(Rewiring):
+    """A broken setup: each rank draws new connections from its own seed."""
+
+    def on_fit_start(self, trainer, pl_module):
+        self.generator.manual_seed(100 + trainer.global_rank)
+
+
+def test_ddp_rewiring_divergence_stops_every_rank(tmp_path):
+    torch.manual_seed(0)
+    model = XMCClassifier(FEATURES, LABELS, head="uniform", connectivity=4, dropout=0.0)
+    with pytest.raises(Exception, match=r"after rewiring 1 \(step 3\) the ranks disagree.*head.indices"):
+        train(model, tiny_data(2), 2, tmp_path, RankSeededRewiring(0.25, every_n_steps=REWIRE_EVERY))
+    assert not list(tmp_path.glob("rank*.pt"))  # no rank trained on
+
+
+def test_fingerprint_sees_every_bit():
+    a = torch.randn(5, 7)
+    b = a.clone()
+    b.view(-1).view(torch.int32)[3] ^= 1  # one bit of one float
+    assert fingerprint(a) == fingerprint(a.clone())
+    assert fingerprint(a) != fingerprint(b)
+    assert fingerprint(torch.zeros(2, 3, dtype=torch.int32)) != fingerprint(torch.zeros(3, 2, dtype=torch.int32))
+
+
+def test_check_without_process_group_is_a_no_op():
+    assert_identical_across_ranks({"x": torch.arange(3)}, "nothing")
+
+
+def _trainer(**kw):
+    base = {"accelerator": "cpu", "devices": 1, "strategy": "auto", "num_nodes": 1}
+    return OmegaConf.create({**base, **kw})
+
+
+DDP_TARGET = {"_target_": "lightning.pytorch.strategies.DDPStrategy", "broadcast_buffers": False}
+
+
+@pytest.mark.parametrize(
+    "trainer_cfg, multirun, env, refused",
+    [
+        (_trainer(devices=2, strategy="ddp"), True, {}, True),  # relaunch would rerun the sweep
+        (_trainer(devices=2, strategy=DDP_TARGET), True, {}, True),
+        (_trainer(devices=[0, 1], strategy="ddp"), True, {}, True),
+        (_trainer(devices=1, num_nodes=2, strategy="ddp"), True, {}, True),
+        (_trainer(devices=2, strategy="ddp"), False, {}, False),  # a single run relaunches itself fine
+        (_trainer(devices=2, strategy="ddp_spawn"), True, {}, False),
+        (_trainer(devices=2, strategy={**DDP_TARGET, "start_method": "spawn"}), True, {}, False),
+        (_trainer(devices=1, strategy="ddp"), True, {}, False),
+        (_trainer(devices=2, strategy="ddp"), True, {"SLURM_NTASKS": "2", "SLURM_JOB_NAME": "xmc"}, False),
+        (_trainer(devices=2, strategy="ddp"), True, {"SLURM_NTASKS": "1", "SLURM_JOB_NAME": "xmc"}, True),
+        (_trainer(devices=2, strategy="ddp"), True, {"TORCHELASTIC_RUN_ID": "x"}, False),
+    ],
+)
+def test_launch_problem(trainer_cfg, multirun, env, refused):
+    problem = launch_problem(trainer_cfg, multirun=multirun, env=env)
+    assert (problem is not None) == refused
+    if refused:
+        assert "trainer.devices=1" in problem and "tasks_per_node" in problem
+
+
+@pytest.mark.parametrize(
+    "env, rank",
+    [
+        ({}, 0),  # the process a user started
+        ({"LOCAL_RANK": "1", "NODE_RANK": "0", "WORLD_SIZE": "2"}, 1),  # started by Lightning's ddp launcher
+        ({"LOCAL_RANK": "0", "NODE_RANK": "1"}, None),  # first process of the second node: not rank 0
+        ({"RANK": "3", "LOCAL_RANK": "1", "TORCHELASTIC_RUN_ID": "x"}, 3),  # torchrun
+        ({"SLURM_NTASKS": "4", "SLURM_PROCID": "2", "SLURM_JOB_NAME": "xmc"}, 2),  # srun
+        ({"SLURM_NTASKS": "1", "SLURM_PROCID": "0", "SLURM_JOB_NAME": "xmc"}, 0),
+    ],
+)
+def test_launch_rank(env, rank):
+    if rank is None:
+        assert launch_rank(env) != 0
+    else:
+        assert launch_rank(env) == rank
