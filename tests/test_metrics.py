@@ -127,3 +127,20 @@ def test_against_napkinxc_on_real_data(name):
         for k in (1, 3, 5):
             assert got[f"{metric}_{k}"] == pytest.approx(100 * values[k - 1], abs=1e-6), (metric, k)
     assert got["p_at_1"] > 30  # the model is a real one
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_matches_cpu_with_labels_left_on_the_host():
+    rng = np.random.default_rng(7)
+    n, L = 64, 3000
+    lists = [rng.choice(L, rng.integers(0, 9), replace=False).tolist() for _ in range(n)]
+    labels = to_csr(lists, L)
+    scores = torch.randn(n, L)
+    invp = inverse_propensity(np.bincount(labels.idx, minlength=L), num_points=n)
+    results = []
+    for device in ("cpu", "cuda"):
+        m = XMCMetrics(L, inv_propensity=invp)
+        m.update(scores.to(device), torch.from_numpy(labels.ptr), torch.from_numpy(labels.idx))
+        results.append(m.compute())
+    assert results[0] == pytest.approx(results[1])

@@ -9,6 +9,7 @@ from __future__ import annotations
 import csv
 import math
 import shutil
+import subprocess
 
 import pytest
 
@@ -175,6 +176,38 @@ def test_merged_runs_from_another_store_export_like_local_ones_and_merge_once(st
     rows = export(tmp_path / "runs.csv", store[0])
     found = {(r["device"], r["setup"]): (float(r["test_p1"]), r["memory_gib"]) for r in rows}
     assert found == {(CPU, "uniform"): (49.0, ""), (card, "uniform"): (50.0, "0.01")}
+
+
+def test_smoke_stage_sweeps_only_tables_without_smoke_runs_and_fails_when_a_sweep_yields_nothing(store, tmp_path):
+    import json
+
+    from xmc_repro.report.smoke import SweepFailed, ensure_smoke_runs
+
+    for table in ("table1", "table2", "table3", "table5"):
+        log_run(store, params_of(BIBTEX, "uniform", 32, 128), metrics_of(40.0), table=table)
+    log_run(store, params_of(BIBTEX, "uniform", 32, 128), metrics_of(40.0), table="table4", scale="paper")
+    log_run(store, params_of(BIBTEX, "uniform", 32, 128), metrics_of(40.0), table="table4", status="FAILED")
+    commands = []
+
+    def sweep(command, **kwargs):  # stands in for the sweep's process: logs what the sweep would
+        commands.append(command[1:])
+        log_run(store, params_of(BIBTEX, "uniform", 32, 128, loss="bce"), metrics_of(41.0), table="table4")
+        return subprocess.CompletedProcess(command, 1)  # one of its jobs failed
+
+    counts = ensure_smoke_runs(tmp_path / "marker.json", store[0], run=sweep)
+    assert commands == [["-m", "xmc_repro", "-m", "experiment=table4", "scale=smoke", "trainer.progress_bar=false"]]
+    assert counts == {"table1": 1, "table2": 1, "table3": 1, "table4": 1, "table5": 1}
+    marker = json.loads((tmp_path / "marker.json").read_text())
+    assert marker == {"finished_smoke_runs": counts, "sweeps_with_failed_jobs": ["table4"]}
+    assert ensure_smoke_runs(tmp_path / "marker.json", store[0], run=sweep) == counts and len(commands) == 1
+
+    _, client, experiment = store
+    client.delete_run(client.search_runs([experiment], "tags.table = 'table5'")[0].info.run_id)
+    def broken(command, **kwargs):
+        return subprocess.CompletedProcess(command, 1)
+
+    with pytest.raises(SweepFailed, match="table5"):
+        ensure_smoke_runs(tmp_path / "marker.json", store[0], run=broken)
 
 
 def test_export_of_an_empty_store_writes_only_the_header(store, tmp_path):

@@ -84,12 +84,12 @@ def test_rendered_table4_has_the_measured_rows_beside_the_paper_and_the_rest_mis
 
 def test_the_report_command_line_renders_files(store):
     tmp, uri, _ = store
-    assert report_main(["--tracking-uri", uri, "export", "--out", str(tmp / "cli" / "runs.csv")]) == 0
-    assert write_grid(tmp / "cli" / "grid.csv", tables=("table4",), scales=("smoke",)) == 12
-    code = report_main(["render", "--runs", str(tmp / "cli" / "runs.csv"), "--grid", str(tmp / "cli" / "grid.csv"),
-                        "--tables", str(tmp / "cli" / "tables"), "--figures", str(tmp / "cli" / "figures")])  # fmt: skip
-    assert code == 0
-    text = (tmp / "cli" / "tables" / "table4.md").read_text()
+    out = tmp / "cli"
+    assert report_main(["--tracking-uri", uri, "export", "--out", str(out / "runs.csv")]) == 0
+    assert write_grid(out / "grid.csv", tables=("table4",), scales=("smoke",)) == 12
+    paths = ["--runs", out / "runs.csv", "--grid", out / "grid.csv", "--tables", out / "tables", "--figures", out / "figs"]
+    assert report_main(["render", *map(str, paths)]) == 0
+    text = (out / "tables" / "table4.md").read_text()
     assert "Smoke-Amazon-670K slice: uniform 32 + 128" in text and "| missing |" in text
-    assert sorted(p.name for p in (tmp / "cli" / "tables").iterdir()) == sorted(
+    assert sorted(p.name for p in (out / "tables").iterdir()) == sorted(
         f"table{n}.{ext}" for n in range(1, 6) for ext in ("md", "tex", "csv"))  # fmt: skip

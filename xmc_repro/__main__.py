@@ -1,14 +1,30 @@
-"""`python -m xmc_repro [overrides]`: one experiment; `python -m xmc_repro -m ...`: a sweep (one MLflow run per job)."""
+"""`python -m xmc_repro [overrides]`: one experiment; `python -m xmc_repro -m ...`: a sweep (one MLflow run per job).
+
+Whatever goes wrong ends in one line on stderr (`error: ...`) and a non-zero exit; HYDRA_FULL_ERROR=1 shows
+the traceback instead. Exit status 2: bad settings or input (fix and rerun); 1: the run failed.
+In a sweep a failed job does not stop the others: each failure is reported in one line as it happens, and
+the sweep ends with a one-line summary of the failed jobs and exit status 1.
+"""
 
 from __future__ import annotations
 
 import os
 import sys
+import traceback
+from pathlib import Path
 
 import hydra
 from omegaconf import DictConfig
 
 from xmc_repro.errors import UserError
+
+# Jobs of a sweep may run in other processes (joblib, submitit launchers): each failed job appends a line to
+# this file, which the sweep's own process reads at the end.
+FAILURES_ENV = "XMC_SWEEP_FAILURES"
+
+
+def full_errors() -> bool:
+    return os.environ.get("HYDRA_FULL_ERROR") == "1"
 
 
 def print_summary(cfg: DictConfig, results: dict) -> None:
@@ -32,19 +48,121 @@ def print_summary(cfg: DictConfig, results: dict) -> None:
     console.print(f"MLflow run {results['run_id']}; browse with: {results['ui']}")
 
 
+def _sweep_job() -> str | None:
+    """`#<num> (<overrides>)` for a job of a Hydra multirun; None for a single run."""
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+
+    try:
+        hc = HydraConfig.get()
+    except ValueError:
+        return None
+    if hc.mode != RunMode.MULTIRUN:
+        return None
+    return f"#{hc.job.num} ({' '.join(hc.overrides.task) or 'defaults'})"
+
+
 @hydra.main(version_base="1.3", config_path="../conf", config_name="config")
-def main(cfg: DictConfig):
-    from xmc_repro.train import run
+def _task(cfg: DictConfig):
+    from xmc_repro.train import failure_message, run
 
     try:
         results = run(cfg)
-    except UserError as error:
-        if os.environ.get("HYDRA_FULL_ERROR") == "1":
+    except Exception as error:  # not KeyboardInterrupt: Ctrl+C stops a whole sweep
+        if full_errors():
             raise
-        print(f"error: {error}", file=sys.stderr)
-        sys.exit(2)
+        job = _sweep_job()
+        known = _explained(error)
+        message = getattr(error, "run_failure", None) or failure_message(error)
+        if job is None:
+            if not known:
+                raise  # a bug: Hydra prints the traceback
+            print(f"error: {message}", file=sys.stderr)
+            sys.exit(2 if isinstance(error, UserError) else 1)
+        if not known:
+            traceback.print_exc()  # a bug in one job: its traceback, and the sweep goes on
+        print(f"error: job {job}: {message}", file=sys.stderr)
+        _record_failure(f"{job}: {message}")
+        return None
     print_summary(cfg, results)
     return results
+
+
+def _explained(error: BaseException) -> bool:
+    """Failures whose cause one line explains: bad settings or input, a non-finite loss, out of memory."""
+    import torch
+
+    from xmc_repro.model import NonFiniteLossError
+
+    oom = getattr(torch, "OutOfMemoryError", torch.cuda.OutOfMemoryError)
+    return isinstance(error, (UserError, NonFiniteLossError, oom))
+
+
+def _record_failure(line: str) -> None:
+    path = os.environ.get(FAILURES_ENV)
+    if path:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        with open(path, "a", encoding="utf-8") as handle:  # one short append per failure
+            handle.write(" ".join(line.split()) + "\n")
+
+
+def _one_line_hydra_errors() -> None:
+    """Hydra reports a config it cannot compose (`model=nope`, a bad override) in several lines; make it one.
+
+    Hydra routes its errors through `hydra._internal.utils.run_and_report` (hydra-core 1.3, pinned in
+    pyproject.toml); composition errors are CompactHydraExceptions, printed here as one line. Anything else
+    still gets Hydra's own report.
+    """
+    from hydra._internal import utils as hydra_utils
+    from hydra.errors import CompactHydraException, MissingConfigException
+
+    original = hydra_utils.run_and_report
+    if getattr(original, "one_line", False):
+        return
+
+    def run_and_report(func):
+        try:
+            return func()
+        except CompactHydraException as error:
+            if full_errors():
+                raise
+            text = str(error)
+            options = getattr(error, "options", None)
+            if isinstance(error, MissingConfigException) and options:  # its text lists them over many lines
+                text = f"{text.strip().splitlines()[0]}; choose one of: {', '.join(options)}"
+            elif error.__cause__ is not None:
+                text += f" ({error.__cause__})"
+            print(f"error: {' '.join(text.split())}", file=sys.stderr)
+            sys.exit(2)
+        except Exception as error:
+            return original(lambda: _reraise(error))
+
+    run_and_report.one_line = True
+    hydra_utils.run_and_report = run_and_report
+
+
+def _reraise(error: BaseException):
+    raise error
+
+
+def main() -> None:
+    _one_line_hydra_errors()
+    if os.environ.get(FAILURES_ENV):  # started by a sweep's own process (a launcher's job): that one reports
+        _task()
+        return
+    failures = Path.cwd() / "multirun" / f".failures-{os.getpid()}.txt"
+    os.environ[FAILURES_ENV] = str(failures)  # jobs in other processes inherit it
+    try:
+        _task()
+    finally:
+        lines = failures.read_text(encoding="utf-8").splitlines() if failures.is_file() else []
+        failures.unlink(missing_ok=True)
+        del os.environ[FAILURES_ENV]
+    if lines:
+        print(
+            f"error: sweep finished; {len(lines)} job(s) failed, the others ran: {'; '.join(lines)}", file=sys.stderr
+        )
+        sys.exit(1)
 
 
 if __name__ == "__main__":

@@ -7,6 +7,8 @@ import time
 import lightning.pytorch as pl
 import torch
 
+from xmc_repro.distributed import assert_identical_across_ranks
+
 
 class Rewiring(pl.Callback):
     """Prune-and-regrow (SET) for every layer with a `rewire` method.
@@ -45,6 +47,11 @@ class Rewiring(pl.Callback):
                 if key in state:
                     state[key].view(-1)[slots.to(state[key].device)] = 0
         self.rewirings += 1
+        if trainer.world_size > 1:  # DDP keeps no buffer in sync by itself (broadcast_buffers=false)
+            named = {f"{name}.{attr}": getattr(layer, attr) for name, layer in pl_module.named_modules()
+                     if hasattr(layer, "rewire") for attr in ("indices", "weight")}
+            named["rewiring generator"] = self.generator.get_state()
+            assert_identical_across_ranks(named, f"rewiring {self.rewirings} (step {trainer.global_step})")
 
     def state_dict(self):
         return {"generator": self.generator.get_state(), "rewirings": self.rewirings}

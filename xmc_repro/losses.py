@@ -24,7 +24,7 @@ def positive_positions(label_ptr: torch.Tensor, label_idx: torch.Tensor, num_lab
     label_ptr = label_ptr.to(device=device, dtype=torch.long)
     label_idx = label_idx.to(device=device, dtype=torch.long)
     lengths = label_ptr[1:] - label_ptr[:-1]
-    rows = torch.repeat_interleave(torch.arange(len(lengths), device=device), lengths)
+    rows = torch.repeat_interleave(torch.arange(len(lengths), device=device), lengths, output_size=label_idx.numel())
     return torch.unique(rows * num_labels + label_idx)
 
 

@@ -59,7 +59,7 @@ class XMCMetrics:
 
         # hits[i, r] = is the r-th ranked label of row i a true label? Via sorted row*L + label keys.
         lengths = label_ptr[1:] - label_ptr[:-1]
-        rows = torch.repeat_interleave(torch.arange(b, device=device), lengths)
+        rows = torch.repeat_interleave(torch.arange(b, device=device), lengths, output_size=label_idx.numel())
         keys = torch.sort(rows * num_labels + label_idx).values
         query = torch.arange(b, device=device)[:, None] * num_labels + top
         if keys.numel():

@@ -2,21 +2,102 @@
 
 The model knows nothing of MLflow; per-epoch metrics reach the same run through Lightning's MLFlowLogger,
 whose own `finalize` is disabled so that only `RunTracker.finish` decides FINISHED or FAILED.
+
+Many jobs of a sweep may write one sqlite store at once. SQLite lets one writer in at a time; MLflow waits up
+to 20 s for the lock (busy_timeout), but a transaction that read before it writes gets "database is locked" at
+once when another process is writing, and several processes creating a fresh store race on its schema. So:
+every write here retries with exponential backoff and jitter (`with_retries`) while the error is lock
+contention, and the first contact with a store (schema creation, the experiment) happens under an exclusive
+file lock beside the database. We keep SQLite's default journal rather than WAL: WAL needs shared memory,
+which breaks when the database sits on a network filesystem, as it does for sweeps over cluster nodes; and we
+need no tracking server process that would have to outlive every job. A team that sweeps at scale points
+`logger.tracking_uri` at an MLflow server instead; nothing here changes for that.
 """
 
 from __future__ import annotations
 
+import logging
 import platform
+import random
 import subprocess
+import time
+from contextlib import contextmanager
 from pathlib import Path
 
 from lightning.pytorch.loggers import MLFlowLogger
 from mlflow.entities import Metric, Param, RunTag
+from mlflow.exceptions import MlflowException
 from mlflow.tracking import MlflowClient
 from omegaconf import DictConfig, OmegaConf
 
+from xmc_repro.errors import ConfigError
+
+try:
+    import fcntl
+except ImportError:  # not POSIX: no lock, the retries still apply
+    fcntl = None
+
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
 MAX_PARAM_CHARS = 6000  # MLflow's limit on a param value
+RETRY_SECONDS = 600.0  # give up on a locked store after this long
+_CONTENTION = ("database is locked", "database table is locked", "database schema has changed")
+_jitter = random.Random()  # its own generator: retries must not move the global RNG that training uses
+
+
+def is_contention(error: BaseException) -> bool:
+    """Whether an MLflow/SQLAlchemy error is a busy SQLite database (worth retrying), not a real failure."""
+    text = f"{error} {error.__cause__ or ''}".lower()
+    return any(marker in text for marker in _CONTENTION)
+
+
+def with_retries(fn, *args, **kwargs):
+    """fn(*args, **kwargs), retried with exponential backoff and jitter while the store is locked."""
+    delay, deadline = 0.05, time.monotonic() + RETRY_SECONDS
+    while True:
+        try:
+            return fn(*args, **kwargs)
+        except Exception as error:
+            if not is_contention(error) or time.monotonic() > deadline:
+                raise
+            time.sleep(delay * (0.5 + _jitter.random()))
+            delay = min(2 * delay, 5.0)
+
+
+@contextmanager
+def _quiet(*loggers: str):
+    """Only warnings and errors from these loggers meanwhile."""
+    saved = [(log, log.level) for log in map(logging.getLogger, loggers)]
+    for log, _ in saved:
+        log.setLevel(logging.WARNING)
+    try:
+        yield
+    finally:
+        for log, level in saved:
+            log.setLevel(level)
+
+
+def sqlite_path(tracking_uri: str) -> Path | None:
+    """The database file of a `sqlite:///` URI (None for other stores and in-memory databases)."""
+    if not tracking_uri.startswith("sqlite:///"):
+        return None
+    path = tracking_uri[len("sqlite:///") :].split("?", 1)[0]
+    return Path(path) if path and path != ":memory:" else None
+
+
+@contextmanager
+def store_lock(tracking_uri: str):
+    """Exclusive lock on `<db>.lock` while a process first touches a sqlite store (schema, experiment)."""
+    path = sqlite_path(tracking_uri)
+    if path is None or fcntl is None:
+        yield
+        return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path.with_name(path.name + ".lock"), "a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
 
 
 def flatten(cfg, prefix: str = "") -> dict[str, str]:
@@ -52,57 +133,88 @@ def device_name(accelerator_device) -> str:
 
 
 class RunTracker:
-    """One MLflow run: created (or reopened for `resume`), filled, and closed with a status."""
+    """One MLflow run: created (or reopened for `resume`), filled, and closed with a status.
+
+    Every call to the store goes through `with_retries` (see the module docstring).
+    """
 
     def __init__(self, tracking_uri: str, experiment_name: str, run_id: str | None = None, run_name: str | None = None):
         self.tracking_uri = tracking_uri
-        self.client = MlflowClient(tracking_uri)
-        experiment = self.client.get_experiment_by_name(experiment_name)
-        self.experiment_id = (
-            experiment.experiment_id if experiment else self.client.create_experiment(experiment_name)
-        )
+        with store_lock(tracking_uri), _quiet("mlflow.store.db.utils", "alembic"):  # schema creation chatter
+            self.client = MlflowClient(tracking_uri)
+            self.experiment_id = with_retries(self._experiment, experiment_name)
         if run_id is None:
-            run_id = self.client.create_run(self.experiment_id, run_name=run_name).info.run_id
+            run_id = with_retries(self.client.create_run, self.experiment_id, run_name=run_name).info.run_id
         else:
-            self.client.update_run(run_id, status="RUNNING")
+            self._reopen(run_id)
         self.run_id = run_id
+
+    def _experiment(self, name: str) -> str:
+        experiment = self.client.get_experiment_by_name(name)
+        return experiment.experiment_id if experiment else self.client.create_experiment(name)
+
+    def _reopen(self, run_id: str) -> None:
+        try:
+            run = with_retries(self.client.get_run, run_id)
+        except MlflowException:
+            raise ConfigError(
+                f"resume: MLflow run {run_id} is not in {self.tracking_uri}; set logger.tracking_uri "
+                "(or MLFLOW_TRACKING_URI) to the store the run was started with"
+            ) from None
+        if run.info.status == "FINISHED":
+            raise ConfigError(f"resume={run_id}: that run already FINISHED; start a new run (without resume=)")
+        if "error" in run.data.tags:  # the failure it resumes from is history now
+            with_retries(self.client.delete_tag, run_id, "error")
+        resumed = int(run.data.tags.get("resumed", 0)) + 1
+        with_retries(self.client.log_batch, run_id, tags=[RunTag("resumed", str(resumed))])
+        with_retries(self.client.update_run, run_id, status="RUNNING")
+
+    def status(self) -> str:
+        return with_retries(self.client.get_run, self.run_id).info.status
 
     def log_config(self, cfg: DictConfig, tags: dict[str, str]) -> None:
         params = [Param(k, v) for k, v in flatten(cfg).items()]
-        existing = self.client.get_run(self.run_id).data.params
+        existing = with_retries(self.client.get_run, self.run_id).data.params
         params = [p for p in params if p.key not in existing]  # a resumed run keeps its params
         for start in range(0, len(params), 100):  # MLflow's batch limit
-            self.client.log_batch(self.run_id, params=params[start : start + 100])
+            with_retries(self.client.log_batch, self.run_id, params=params[start : start + 100])
         self.set_tags(tags)
-        self.client.log_text(self.run_id, OmegaConf.to_yaml(cfg, resolve=True), "config.yaml")
+        with_retries(self.client.log_text, self.run_id, OmegaConf.to_yaml(cfg, resolve=True), "config.yaml")
 
     def set_tags(self, tags: dict[str, str | None]) -> None:
         tag_list = [RunTag(k, str(v)) for k, v in tags.items() if v is not None]
         if tag_list:
-            self.client.log_batch(self.run_id, tags=tag_list)
+            with_retries(self.client.log_batch, self.run_id, tags=tag_list)
 
     def log_metrics(self, metrics: dict[str, float], step: int = 0) -> None:
-        import time
-
         now = int(time.time() * 1000)
         batch = [Metric(k, float(v), now, step) for k, v in metrics.items() if v is not None]
         if batch:
-            self.client.log_batch(self.run_id, metrics=batch)
+            with_retries(self.client.log_batch, self.run_id, metrics=batch)
 
     def lightning_logger(self) -> MLFlowLogger:
         return _RunOwnedMLFlowLogger(tracking_uri=self.tracking_uri, run_id=self.run_id)
 
-    def finish(self, status: str = "FINISHED", message: str | None = None) -> None:
+    def finish(self, status: str = "FINISHED", message: str | None = None, tags: dict[str, str] | None = None) -> None:
+        """Close the run; a FAILED run gets the one-line `message` as tag `error` (plus any `tags`)."""
+        extra = dict(tags or {})
         if message:
-            self.set_tags({"error": message[:5000]})
-        self.client.set_terminated(self.run_id, status)
+            extra["error"] = message[:5000]
+        self.set_tags(extra)
+        with_retries(self.client.set_terminated, self.run_id, status)
 
     def ui_command(self) -> str:
         return f"mlflow ui --backend-store-uri {self.tracking_uri}"
 
 
 class _RunOwnedMLFlowLogger(MLFlowLogger):
-    """Lightning's MLflow logger writing into a run that RunTracker opened and will close."""
+    """Lightning's MLflow logger writing into a run that RunTracker opened and will close; writes retry."""
+
+    def log_metrics(self, metrics, step=None) -> None:
+        with_retries(super().log_metrics, metrics, step)
+
+    def log_hyperparams(self, params) -> None:
+        with_retries(super().log_hyperparams, params)
 
     def finalize(self, status: str = "success") -> None:
         # Flush nothing special; the status is set by RunTracker.finish once testing is done too.

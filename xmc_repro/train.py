@@ -1,22 +1,39 @@
-"""One experiment, from a composed config to a closed MLflow run: data -> model -> fit -> test -> summary."""
+"""One experiment, from a composed config to a closed MLflow run: data -> model -> fit -> test -> summary.
+
+Once its MLflow run is open, a run always ends FINISHED or FAILED; a FAILED run carries the one-line reason
+as tag `error` (and the step it stopped at, `failed_at_step`). `checkpoints/<run_id>/last.ckpt` is kept
+current every epoch and every `trainer.checkpoint_every_n_steps` steps; `resume=<run id or .ckpt path>`
+continues the same run from it with the run's own settings (see `resume_config`).
+"""
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import EarlyStopping, ModelCheckpoint, RichProgressBar
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
+from xmc_repro import checkpoints
 from xmc_repro.callbacks import EpochTime, PeakMemory, Rewiring
 from xmc_repro.data import build_datamodule
-from xmc_repro.errors import ConfigError
+from xmc_repro.errors import ConfigError, UserError
 from xmc_repro.metrics import inverse_propensity
-from xmc_repro.model import XMCClassifier
+from xmc_repro.model import NonFiniteLossError, XMCClassifier
 from xmc_repro.tracking import RunTracker, device_name, git_commit
 
 CHECKPOINT_ROOT = Path("checkpoints")
+# Settings a resumed run may change: none of them alters what is trained. Everything else comes from the run.
+RESUMABLE_SETTINGS = (
+    "trainer.max_epochs",
+    "trainer.progress_bar",
+    "trainer.num_workers",
+    "trainer.eval_batch_size",
+    "trainer.checkpoint_every_n_steps",
+)
+LIVE_SECTIONS = ("resume", "logger", "hydra")  # always taken from the command line
 
 
 def validate(cfg: DictConfig) -> None:
@@ -33,6 +50,100 @@ def validate(cfg: DictConfig) -> None:
         raise ConfigError(f"validate_on={cfg.validate_on!r} must be 'test' (the authors' protocol) or 'holdout'")
     if not 0 <= float(cfg.model.rewire_fraction) < 1:
         raise ConfigError(f"model.rewire_fraction={cfg.model.rewire_fraction} must be in [0, 1)")
+    every = t.get("checkpoint_every_n_steps")
+    if every is not None and (isinstance(every, bool) or not isinstance(every, int) or every <= 0):
+        raise ConfigError(
+            f"trainer.checkpoint_every_n_steps={every} must be a positive number of steps, or null (every epoch only)"
+        )
+
+
+# --------------------------------------------------------------------------------------------- resume
+
+
+def explicit_settings() -> list[str]:
+    """Config keys given on this command line (`model=dense` gives `model`); none outside a Hydra app."""
+    try:
+        from hydra.core.hydra_config import HydraConfig
+
+        overrides = HydraConfig.get().overrides.task
+    except ValueError:
+        return []
+    return [o.split("=", 1)[0].lstrip("+~").split("@", 1)[0] for o in overrides]
+
+
+def resume_checkpoint(value) -> Path:
+    """The checkpoint named by `resume=`: a file path, or the run id of a run started in this directory."""
+    given = Path(str(value)).expanduser()
+    if given.is_file():
+        return given
+    by_run = CHECKPOINT_ROOT / str(value) / checkpoints.LAST
+    if by_run.is_file():
+        return by_run
+    raise ConfigError(
+        f"resume={value}: neither a checkpoint file nor a run with {by_run}; pass the run id from the directory "
+        "the run was started in, or the path of its last.ckpt"
+    )
+
+
+def resume_config(cfg: DictConfig, stored: DictConfig, explicit: list[str]) -> DictConfig:
+    """The run's stored config, with this command line's `logger`, `resume` and any RESUMABLE_SETTINGS.
+
+    A setting given explicitly that would change what the run trains is refused: a resumed run equals the
+    run it continues. Sections this code has and the run's config lacks come from the command line.
+    """
+    merged = stored.copy()
+    for key in explicit:
+        if key.split(".")[0] in LIVE_SECTIONS or key in RESUMABLE_SETTINGS:
+            continue
+        now, then = (OmegaConf.select(c, key, default=None) for c in (cfg, stored))
+        plain = (OmegaConf.to_container(v, resolve=True) if isinstance(v, DictConfig) else v for v in (now, then))
+        if now is not None and then is not None and next(plain) != next(plain):
+            raise ConfigError(
+                f"resume: {key} was {_short(then)} in the run and is {_short(now)} on this command line; a resumed "
+                f"run keeps its settings (only {', '.join(RESUMABLE_SETTINGS)} may change): drop {key}=..."
+            )
+    for key in RESUMABLE_SETTINGS:
+        if key in explicit:
+            OmegaConf.update(merged, key, OmegaConf.select(cfg, key), force_add=True)
+    for key in cfg:
+        if key in LIVE_SECTIONS or key not in merged:
+            merged[key] = OmegaConf.to_container(cfg[key], resolve=True) if isinstance(cfg[key], DictConfig) else cfg[key]
+    return merged
+
+
+def _short(value) -> str:
+    text = OmegaConf.to_yaml(value).strip() if isinstance(value, DictConfig) else repr(value)
+    return text if len(text) < 80 else text[:77] + "..."
+
+
+def prepare(cfg: DictConfig) -> tuple[DictConfig, Path | None, str | None]:
+    """(config to run, checkpoint to resume from, MLflow run id to continue); the last two None for a new run."""
+    if not cfg.get("resume"):
+        return cfg, None, None
+    path = resume_checkpoint(cfg.resume)
+    saved = checkpoints.read(path)
+    merged = resume_config(cfg, OmegaConf.create(saved["config"]), explicit_settings())
+    return merged, path, saved["run_id"]
+
+
+def failure_message(error: BaseException, run_id: str | None = None, last_checkpoint: Path | None = None) -> str:
+    """One line saying what happened and what to do, for the terminal and the run's `error` tag."""
+    kept = last_checkpoint is not None and last_checkpoint.is_file()
+    if isinstance(error, UserError):
+        text = str(error)
+    elif isinstance(error, NonFiniteLossError):
+        text = f"{error}; " + (f"the last good checkpoint is kept: {last_checkpoint}" if kept else "no checkpoint yet")
+    elif isinstance(error, (KeyboardInterrupt, SystemExit)):
+        how = "SIGTERM" if type(error).__name__ == "SIGTERMException" else type(error).__name__
+        text = f"interrupted ({how})" + (f"; continue it with resume={run_id}" if kept and run_id else "")
+    elif isinstance(error, getattr(torch, "OutOfMemoryError", torch.cuda.OutOfMemoryError)):
+        text = (
+            "out of GPU memory; lower trainer.batch_size and trainer.eval_batch_size (scores are batch x labels), "
+            "model.connectivity or model.intermediate"
+        )
+    else:
+        text = f"{type(error).__name__}: {error}"
+    return " ".join(text.split())
 
 
 def build_model(cfg: DictConfig, dm) -> XMCClassifier:
@@ -57,7 +168,16 @@ def build_model(cfg: DictConfig, dm) -> XMCClassifier:
     )
 
 
-def build_callbacks(cfg: DictConfig, checkpoint_dir: Path) -> dict[str, pl.Callback]:
+class _EpochTime(EpochTime):
+    """EpochTime whose epoch clock also starts when a run resumes mid-epoch (Lightning then skips
+    on_train_epoch_start). To fold into callbacks.EpochTime."""
+
+    def on_train_start(self, trainer, pl_module):
+        if self._epoch_start is None:
+            self._epoch_start = time.perf_counter()
+
+
+def build_callbacks(cfg: DictConfig, checkpoint_dir: Path, info: dict | None = None) -> dict[str, pl.Callback]:
     t, d = cfg.trainer, cfg.dataset
     callbacks = {
         "rewiring": Rewiring(
@@ -67,19 +187,17 @@ def build_callbacks(cfg: DictConfig, checkpoint_dir: Path) -> dict[str, pl.Callb
             seed=int(cfg.seed),
         ),
         "memory": PeakMemory(),
-        "time": EpochTime(),
+        "time": _EpochTime(),
         # Both thresholds are P@3 fractions in the authors' code; our metrics are percentages.
         "early_stop": EarlyStopping(
             monitor="val/p_at_3", mode="max", patience=t.early_stop_patience, min_delta=t.early_stop_min_delta * 100
         ),
+        # Always best.ckpt (no -v1 copies when a resumed run finds it there already).
         "best": ModelCheckpoint(
-            dirpath=checkpoint_dir, filename="best", monitor="val/p_at_3", mode="max", save_last=True
+            dirpath=checkpoint_dir, filename="best", monitor="val/p_at_3", mode="max", enable_version_counter=False
         ),
+        "last": checkpoints.LastCheckpoint(checkpoint_dir, t.get("checkpoint_every_n_steps"), info),
     }
-    if t.checkpoint_every_n_steps:
-        callbacks["steps"] = ModelCheckpoint(
-            dirpath=checkpoint_dir, filename="step", every_n_train_steps=int(t.checkpoint_every_n_steps)
-        )
     if t.progress_bar:
         callbacks["progress"] = RichProgressBar()
     return callbacks
@@ -100,8 +218,31 @@ def sweep_tags() -> dict[str, str]:
 
 
 def run(cfg: DictConfig) -> dict:
-    """Train and test one configuration; returns the final metrics and run id."""
+    """Train and test one configuration (or continue one, `resume=`); returns the final metrics and run id."""
+    cfg, resume_from, run_id = prepare(cfg)
     validate(cfg)
+    tracker = RunTracker(cfg.logger.tracking_uri, cfg.logger.experiment_name, run_id=run_id)
+    checkpoint_dir = resume_from.parent if resume_from else CHECKPOINT_ROOT / tracker.run_id
+    progress: dict = {}  # the trainer, once there is one: for the step a failure happened at
+    try:
+        tracker.log_config(
+            cfg,
+            {"table": cfg.table, "scale": cfg.scale, "git_commit": git_commit(), "dataset": cfg.dataset.name,
+             **sweep_tags()},
+        )
+        return _fit_and_test(cfg, tracker, checkpoint_dir, resume_from, progress)
+    except BaseException as error:  # KeyboardInterrupt included: the run must not stay RUNNING
+        trainer = progress.get("trainer")
+        tags = {"failed_at_step": trainer.global_step} if trainer is not None else {}
+        message = failure_message(error, tracker.run_id, checkpoint_dir / checkpoints.LAST)
+        error.run_failure = message  # what the command line prints: the same line as the run's tag
+        tracker.finish("FAILED", message, tags)
+        raise
+
+
+def _fit_and_test(cfg, tracker, checkpoint_dir: Path, resume_from: Path | None, progress: dict) -> dict:
+    from xmc_repro.sparse import backend
+
     pl.seed_everything(int(cfg.seed), workers=True, verbose=False)
     dm = build_datamodule(
         cfg.dataset,
@@ -114,19 +255,8 @@ def run(cfg: DictConfig) -> dict:
     dm.setup("fit")
     model = build_model(cfg, dm)
 
-    tracker = RunTracker(cfg.logger.tracking_uri, cfg.logger.experiment_name, run_id=None)
-    try:
-        return _fit_and_test(cfg, dm, model, tracker)
-    except BaseException as error:  # KeyboardInterrupt included: the run must not stay RUNNING
-        tracker.finish("FAILED", f"{type(error).__name__}: {error}")
-        raise
-
-
-def _fit_and_test(cfg, dm, model, tracker) -> dict:
-    from xmc_repro.sparse import backend
-
-    checkpoint_dir = CHECKPOINT_ROOT / tracker.run_id
-    callbacks = build_callbacks(cfg, checkpoint_dir)
+    info = {"config": OmegaConf.to_yaml(cfg, resolve=True), "run_id": tracker.run_id}
+    callbacks = build_callbacks(cfg, checkpoint_dir, info)
     t = cfg.trainer
     trainer = pl.Trainer(
         accelerator=t.accelerator,
@@ -142,20 +272,15 @@ def _fit_and_test(cfg, dm, model, tracker) -> dict:
         num_sanity_val_steps=0,
         log_every_n_steps=50,
     )
+    progress["trainer"] = trainer
     device = trainer.strategy.root_device
-    tracker.log_config(
-        cfg,
+    tracker.set_tags(
         {
-            "table": cfg.table,
-            "scale": cfg.scale,
-            "git_commit": git_commit(),
             "sparse_backend": backend(device) if cfg.model.head in ("uniform", "mach") else "none",
             "device": device_name(device),
-            "dataset": cfg.dataset.name,
-            **sweep_tags(),
-        },
+        }
     )
-    trainer.fit(model, datamodule=dm)
+    trainer.fit(model, datamodule=dm, ckpt_path=resume_from)
 
     best = callbacks["best"].best_model_path
     if best:  # restore the best weights, as the authors' early stopping does
@@ -168,8 +293,9 @@ def _fit_and_test(cfg, dm, model, tracker) -> dict:
     callbacks["memory"].update(model)
     results = {f"test/{k}": v for k, v in test.items()}
     results.update({f"train/{k}": v for k, v in train.items()})
-    results["epochs"] = callbacks["time"].epochs
-    results["time_per_epoch_s"] = callbacks["time"].time_per_epoch_s
+    # A run resumed after its last epoch validates nothing itself: the checkpoint knows the count.
+    results["epochs"] = max(callbacks["time"].epochs, callbacks["last"].epochs_done)
+    results["time_per_epoch_s"] = callbacks["time"].fit_seconds / max(results["epochs"], 1)
     if callbacks["memory"].peak_gib is not None:
         results["peak_gpu_memory_gib"] = callbacks["memory"].peak_gib
     tracker.log_metrics(results)

@@ -63,23 +63,23 @@ def our_points(runs: list[dict]) -> dict[str, list[dict]]:
         label = describe(config) + (" (bce)" if run["loss"] == "bce" else "")
         points.setdefault(name, []).append(
             {"setup": label, "memory_gib": run["memory_gib"], "test_p1": run["test_p1"], "scale": run["scale"],
-             "card": run["device"]}  # fmt: skip
+             "card": run["device"], "title": f"{run['dataset']} ({run['features']} features), {run['scale']} scale"}
         )
     return points
 
 
 def _write_points(points: list[dict], path: Path) -> None:
     with open(path, "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=PLOT_COLUMNS, lineterminator="\n")
+        writer = csv.DictWriter(f, fieldnames=PLOT_COLUMNS, lineterminator="\n", extrasaction="ignore")
         writer.writeheader()
         writer.writerows(points)
 
 
-def _title(name: str) -> str:
-    for (dataset, features), ours in PAPER_DATASETS.items():
-        if ours == name:
+def _title(name: str, ours: list[dict]) -> str:
+    for (dataset, features), config_name in PAPER_DATASETS.items():
+        if config_name == name:
             return f"{dataset} ({features} features)"
-    return name
+    return ours[0]["title"] if ours else name
 
 
 def plot(name: str, published: list[dict], ours: list[dict], path: Path) -> None:
@@ -98,11 +98,9 @@ def plot(name: str, published: list[dict], ours: list[dict], path: Path) -> None
         ax.scatter(xs, ys, label=label, **style)
         for x, y, p in zip(xs, ys, points):
             ax.annotate(p["setup"], (x, y), fontsize=6, xytext=(3, 2), textcoords="offset points")
-    if not ours:
-        ax.text(0.5, 0.02, "no GPU-memory measurement of ours yet (CPU runs have none)", transform=ax.transAxes,
-                ha="center", fontsize=8, color="tab:red")  # fmt: skip
     cards = sorted({p["card"] for p in ours})
-    ax.set_title(_title(name) + (f" — ours on {', '.join(cards)}" if cards else ""), fontsize=9)
+    ours_note = f"ours on {', '.join(cards)}" if cards else "no GPU-memory measurement of ours yet (CPU runs have none)"
+    ax.set_title(f"{_title(name, ours)}\n{ours_note}", fontsize=9)
     ax.set_xlabel("peak GPU memory (GiB)")
     ax.set_ylabel("test P@1 (%)")
     ax.grid(alpha=0.3)

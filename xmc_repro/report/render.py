@@ -12,7 +12,7 @@ import csv
 from pathlib import Path
 
 from xmc_repro.report import paper
-from xmc_repro.report.identity import config_key, describe, paper_dataset, paper_key, paper_width
+from xmc_repro.report.identity import config_key, describe, paper_key, paper_width
 
 # Metrics set beside the published ones (with their difference), in the paper's column names.
 COMPARED = ("test_p1", "test_p3", "test_p5", "train_p1", "train_p3", "train_p5", "memory_gib", "epochs",
@@ -74,12 +74,15 @@ def _row(table, scale, published_row, source, config, run) -> dict[str, str]:
         row.update({c: published_row[c] for c in IDENTITY})
         row.update(published_source=source, published_kind=published_row["kind"])
         row.update({f"published_{m}": published_row.get(m, "") for m in COMPARED})
-    else:  # a configuration the paper has no published value for: name it in the paper's terms where possible
-        ours = (config["dataset"], config["features"])
-        dataset, features = paper_dataset(*ours) or ours
-        row.update(dataset=dataset, features=features, setup=config["setup"], loss=config["loss"])
-        row.update(connectivity=config["connectivity"] or config["bottleneck"] or config["mach_hashes"])
-        row["intermediate"] = paper_width(config["intermediate"], config["scale"])
+    else:  # a configuration without a published value: named in the paper's terms where the dataset is the paper's
+        key = paper_key(config)
+        if key is None:
+            width = paper_width(config["intermediate"], config["scale"])
+            connectivity = config["connectivity"] or config["bottleneck"]
+            key = (config["dataset"], config["features"], config["setup"], connectivity, width, config["loss"])
+        row.update(zip(IDENTITY, key))
+        if config["setup"] == "mach":  # its decoding connects each label to one bucket per hash function
+            row["connectivity"] = config["mach_hashes"]
     if config is None:
         row["status"] = "literature" if published_row and published_row["setup"] == "literature" else MISSING
         return row

@@ -1,0 +1,85 @@
+"""Helpers of the reliability tests: the real command line in a scratch directory, and what it left in MLflow.
+
+(No tests here; the test_reliability_*.py files import it.)
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# A run that trains in a second or two: 20 steps per epoch, rewiring every 7 steps, dropout on.
+TINY = [
+    "dataset=synthetic",
+    "dataset.num_train=320",
+    "dataset.num_test=96",
+    "dataset.num_features=24",
+    "dataset.num_labels=40",
+    "dataset.latent_dim=8",
+    "dataset.rewire_every_n_steps=7",
+    "model.connectivity=8",
+    "trainer.batch_size=16",
+    "trainer.max_epochs=2",
+    "trainer.train_eval_max_points=96",
+    "trainer.progress_bar=false",
+]
+
+
+def tracking_uri(directory: Path) -> str:
+    return f"sqlite:///{directory / 'mlruns.db'}"
+
+
+def cli_env(extra: dict | None = None) -> dict:
+    env = {k: v for k, v in os.environ.items() if k not in ("HYDRA_FULL_ERROR", "MLFLOW_TRACKING_URI")}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    env.update(extra or {})
+    return env
+
+
+def command(cwd: Path, args, multirun: bool = False) -> list[str]:
+    """`python -m xmc_repro [-m] args` with the MLflow store in `cwd`."""
+    return [sys.executable, "-m", "xmc_repro", *(["-m"] if multirun else []), *args,
+            f"logger.tracking_uri={tracking_uri(cwd)}"]
+
+
+def cli(cwd: Path, args, multirun: bool = False, timeout: float = 300, env: dict | None = None):
+    return subprocess.run(command(cwd, args, multirun), cwd=cwd, env=cli_env(env), capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def start(cwd: Path, args) -> subprocess.Popen:
+    return subprocess.Popen(command(cwd, args), cwd=cwd, env=cli_env(), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+
+
+def stderr_lines(stderr: str) -> list[str]:
+    return [line for line in stderr.splitlines() if line.strip()]
+
+
+def runs(directory: Path) -> list:
+    """Every MLflow run in `directory`'s store (none when there is no store)."""
+    from mlflow.tracking import MlflowClient
+
+    if not (directory / "mlruns.db").is_file():
+        return []
+    client = MlflowClient(tracking_uri(directory))
+    ids = [e.experiment_id for e in client.search_experiments()]
+    return client.search_runs(ids) if ids else []
+
+
+def make_store(directory: Path) -> Path:
+    """An initialised, empty MLflow sqlite store (its schema takes seconds to create: copy it instead)."""
+    from mlflow.tracking import MlflowClient
+
+    directory.mkdir(parents=True, exist_ok=True)
+    MlflowClient(tracking_uri(directory)).search_experiments()
+    return directory / "mlruns.db"
+
+
+def copy_store(template: Path, directory: Path) -> None:
+    shutil.copy(template, directory / "mlruns.db")

@@ -1,0 +1,146 @@
+"""Every failure explained in one line, through the real command line.
+
+For each kind of bad input the command must exit non-zero with exactly one line on stderr, `error: ...`,
+naming file:line or the setting and the fix, with no traceback; if the MLflow run had been opened, it is
+FAILED with that same message as its tag `error`. Also: a non-finite loss, and a sweep with a failing job.
+"""
+
+from __future__ import annotations
+
+import re
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from test_reliability_common import TINY, cli, copy_store, make_store, runs, stderr_lines
+
+GOOD_TRAIN = "3 5 3\n0,1 0:1.0 2:0.5\n2 1:1.0\n1 3:0.25 4:1\n"
+GOOD_TEST = "2 5 3\n0 0:1.0\n1,2 4:2.0\n"
+LABELS = "3 768 3\n0 0:1\n1,2 1:1\n2 0:1\n"  # labels beside .npy embeddings (features there are ignored)
+XC = ["dataset=xc", "dataset.train_file=train.txt", "dataset.test_file=test.txt", "trainer.progress_bar=false"]
+NPY = ["dataset=wiki10_31k", "dataset.data_dir=.", "trainer.progress_bar=false"]
+
+
+def _npy(x):
+    return lambda d: (d.joinpath("train-labels.txt").write_text(LABELS), d.joinpath("test-labels.txt").write_text(LABELS),
+                      np.save(d / "train-cascade.npy", x), np.save(d / "test-cascade.npy", np.zeros((3, 768), np.float32)))
+
+
+def _xc(train=GOOD_TRAIN, test=GOOD_TEST):
+    return lambda d: (d.joinpath("train.txt").write_text(train), d.joinpath("test.txt").write_text(test))
+
+
+nan_rows = np.zeros((3, 768), np.float32)
+nan_rows[1, 5] = np.nan
+
+# case: (files to write, command line, what the one line must say, whether the MLflow run had been opened)
+CASES = {
+    "malformed_header": (_xc(train="3 five 3\n" + GOOD_TRAIN.split("\n", 1)[1]), XC, "train.txt:1: malformed header", True),
+    "malformed_line": (_xc(train="3 5 3\n0,1 0:1.0\n0,x 1:1.0\n1 3:1\n"), XC, "train.txt:3: label 'x'", True),
+    "label_beyond_count": (_xc(train="3 5 3\n0,1 0:1.0\n7 1:1.0\n1 3:1\n"), XC, "train.txt:3: label id 7 >= 3", True),
+    "feature_beyond_count": (_xc(test="2 5 3\n0 0:1.0\n1 9:2.0\n"), XC, "test.txt:3: feature index 9 >= 5", True),
+    "nan_feature": (_xc(train="3 5 3\n0,1 0:1.0\n2 1:nan\n1 3:1\n"), XC, "train.txt:3: value nan", True),
+    "empty_file": (_xc(test=""), XC, "test.txt:1: empty file", True),
+    "dimension_mismatch": (_xc(test="2 6 3\n0 0:1.0\n1 5:2.0\n"), XC, "6 features per point but", True),
+    "npy_wrong_shape": (_npy(np.zeros((3, 10), np.float32)), NPY, "10 features per point, expected 768", True),
+    "npy_wrong_dtype": (_npy(np.zeros((3, 768), np.float64)), NPY, "dtype float64, expected float32", True),
+    "npy_nan": (_npy(nan_rows), NPY, "row 1 (0-based), column 5 is nan", True),
+    "missing_file": (_xc(), [*XC, "dataset.test_file=nope.txt"], "missing", True),
+    "connectivity_too_large": (None, [*TINY, "model.connectivity=100"], "model.connectivity=100 exceeds", True),
+    "intermediate_not_positive": (None, [*TINY, "model.intermediate=0"], "model.intermediate=0 must be", False),
+    "unknown_config_choice": (None, ["model=nope"], "Could not find 'model/nope'; choose one of: bottleneck", False),
+}
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory) -> Path:
+    return make_store(tmp_path_factory.mktemp("store"))
+
+
+def _run_case(directory: Path, store: Path, write, args):
+    directory.mkdir()
+    copy_store(store, directory)
+    if write:
+        write(directory)
+    return cli(directory, args)
+
+
+@pytest.fixture(scope="module")
+def outcomes(request, tmp_path_factory, store):
+    """The selected cases at once, three at a time: each is a whole interpreter start (torch, Lightning, MLflow)."""
+    selected = [item.callspec.params["case"] for item in request.session.items
+                if item.originalname == "test_bad_input_ends_in_one_line"]
+    base = tmp_path_factory.mktemp("cases")
+    with ThreadPoolExecutor(3) as pool:
+        futures = {name: pool.submit(_run_case, base / name, store, CASES[name][0], CASES[name][1])
+                   for name in selected}
+    return {name: (base / name, future.result()) for name, future in futures.items()}
+
+
+# One case per source of errors runs by default (XC parser, .npy loader, layer sizes, config checks, Hydra);
+# the others take as long each (an interpreter start) and run with -m slow.
+DEFAULT_CASES = ("malformed_line", "npy_wrong_dtype", "connectivity_too_large", "intermediate_not_positive",
+                 "unknown_config_choice")
+
+
+@pytest.mark.parametrize(
+    "case", [c if c in DEFAULT_CASES else pytest.param(c, marks=pytest.mark.slow) for c in CASES]
+)
+def test_bad_input_ends_in_one_line(case, outcomes):
+    _, _, expected, run_opened = CASES[case]
+    directory, result = outcomes[case]
+    assert result.returncode == 2, result.stderr[-2000:]
+    lines = stderr_lines(result.stderr)
+    assert len(lines) == 1, result.stderr[-2000:]
+    assert lines[0].startswith("error: ") and expected in lines[0], lines[0]
+    found = runs(directory)
+    if run_opened:
+        (run,) = found
+        assert run.info.status == "FAILED"
+        assert run.data.tags["error"] == lines[0].removeprefix("error: ")
+    else:
+        assert found == []
+
+
+@pytest.mark.slow
+def test_full_traceback_on_request(tmp_path, store):
+    copy_store(store, tmp_path)
+    result = cli(tmp_path, [*TINY, "model.intermediate=-3"], env={"HYDRA_FULL_ERROR": "1"})
+    assert result.returncode != 0
+    assert "Traceback" in result.stderr and "ConfigError: model.intermediate=-3" in result.stderr
+
+
+def test_non_finite_loss_fails_the_run_and_keeps_the_last_good_checkpoint(tmp_path, store):
+    # An absurd learning rate: after one Adam step the weights are ~1e30 and the next loss overflows.
+    copy_store(store, tmp_path)
+    result = cli(tmp_path, [*TINY, "trainer.lr=1e30", "trainer.checkpoint_every_n_steps=1"])
+    assert result.returncode == 1, result.stderr[-2000:]
+    errors = [line for line in stderr_lines(result.stderr) if line.startswith("error:")]
+    assert len(errors) == 1 and "Traceback" not in result.stderr, result.stderr[-2000:]
+    assert re.search(r"the training loss is (nan|inf) at step 1 ", errors[0]), errors[0]
+    assert "the last good checkpoint is kept: checkpoints/" in errors[0]
+    (run,) = runs(tmp_path)
+    assert run.info.status == "FAILED"
+    assert run.data.tags["error"] == errors[0].removeprefix("error: ")
+    assert run.data.tags["failed_at_step"] == "1"
+    checkpoint = torch.load(tmp_path / "checkpoints" / run.info.run_id / "last.ckpt", weights_only=False)
+    assert checkpoint["global_step"] == 1
+    assert all(torch.isfinite(v).all() for v in checkpoint["state_dict"].values())
+
+
+def test_failed_job_does_not_stop_its_sweep(tmp_path, store):
+    copy_store(store, tmp_path)
+    result = cli(tmp_path, [*TINY, "trainer.max_epochs=1", "model.connectivity=8,100,4"], multirun=True)
+    assert result.returncode == 1, result.stderr[-2000:]
+    errors = [line for line in stderr_lines(result.stderr) if line.startswith("error:")]
+    assert "Traceback" not in result.stderr, result.stderr[-2000:]
+    assert len(errors) == 2, errors
+    assert errors[0].startswith("error: job #1 (") and "model.connectivity=100 exceeds" in errors[0]
+    assert errors[1].startswith("error: sweep finished; 1 job(s) failed, the others ran: #1 (")
+    by_connectivity = {r.data.params["model/connectivity"]: r for r in runs(tmp_path)}
+    assert {k: r.info.status for k, r in by_connectivity.items()} == {"8": "FINISHED", "100": "FAILED", "4": "FINISHED"}
+    assert "exceeds" in by_connectivity["100"].data.tags["error"]
+    assert not list(tmp_path.glob("multirun/.failures-*"))

@@ -1,0 +1,158 @@
+"""Interrupted runs: SIGKILL a training process, resume it, and get what an uninterrupted run gets.
+
+Each scenario starts the reference run (never interrupted) and the run to kill at the same time, kills the
+latter right after its first checkpoint lands, resumes it with `resume=<run id>`, and compares: the same MLflow
+run continues and ends FINISHED; the final sparse connections are identical, weights and every metric
+(test/train P@k, nDCG, PSP, the per-epoch validation P@3 history) equal within float tolerance.
+"""
+
+from __future__ import annotations
+
+import signal
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from test_reliability_common import TINY, cli, copy_store, make_store, runs, start
+from xmc_repro import checkpoints
+
+# 40 steps per epoch, 3 epochs; the LR halves after every epoch (no epoch beats the last by 100 points),
+# so a resumed run that missed a plateau-scheduler step would train differently.
+CONFIG = [*TINY, "dataset.num_train=640", "trainer.max_epochs=3", "trainer.lr_patience=0", "trainer.lr_threshold=1.0"]
+STEPS_PER_EPOCH = 40
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory) -> Path:
+    return make_store(tmp_path_factory.mktemp("store"))
+
+
+def _workdir(base: Path, name: str, store: Path) -> Path:
+    path = base / name
+    path.mkdir()
+    copy_store(store, path)
+    return path
+
+
+def _kill_after_first_checkpoint(process, workdir: Path, timeout: float = 240) -> Path:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        found = list(workdir.glob("checkpoints/*/last.ckpt"))
+        if found:
+            process.send_signal(signal.SIGKILL)
+            process.wait()
+            return found[0]
+        if process.poll() is not None:
+            pytest.fail(f"the run ended before its first checkpoint:\n{process.stderr.read()[-3000:]}")
+        time.sleep(0.01)
+    process.kill()
+    pytest.fail("no checkpoint appeared")
+
+
+def _finished_run(workdir: Path):
+    (run,) = runs(workdir)
+    assert run.info.status == "FINISHED", run.data.tags.get("error")
+    return run
+
+
+def _val_history(workdir: Path, run_id: str) -> list[float]:
+    from mlflow.tracking import MlflowClient
+
+    history = MlflowClient(f"sqlite:///{workdir / 'mlruns.db'}").get_metric_history(run_id, "val/p_at_3")
+    by_step = {m.step: m.value for m in history}  # a resumed run may log a step twice
+    return [by_step[s] for s in sorted(by_step)]
+
+
+def _compare(reference: Path, resumed: Path) -> None:
+    ref_run, res_run = _finished_run(reference), _finished_run(resumed)
+    for key, value in ref_run.data.metrics.items():
+        if key.startswith(("test/", "train/p_at", "train/ndcg", "train/psp")) or key == "epochs":
+            assert res_run.data.metrics[key] == pytest.approx(value, abs=1e-4), key
+    assert _val_history(resumed, res_run.info.run_id) == pytest.approx(_val_history(reference, ref_run.info.run_id))
+    ref_state, res_state = (
+        torch.load(next(d.glob("checkpoints/*/last.ckpt")), map_location="cpu", weights_only=False)["state_dict"]
+        for d in (reference, resumed)
+    )
+    assert torch.equal(ref_state["head.indices"], res_state["head.indices"])
+    for key in ref_state:
+        torch.testing.assert_close(res_state[key], ref_state[key], rtol=1e-5, atol=1e-6, msg=key)
+
+
+def _scenario(tmp_path: Path, store: Path, extra: list[str]):
+    reference, killed = _workdir(tmp_path, "reference", store), _workdir(tmp_path, "killed", store)
+    ref_process, process = start(reference, CONFIG + extra), start(killed, CONFIG + extra)
+    checkpoint = _kill_after_first_checkpoint(process, killed)
+    run_id = checkpoint.parent.name
+    (interrupted,) = runs(killed)
+    assert interrupted.info.status == "RUNNING"  # SIGKILL leaves no chance to close it
+    saved = torch.load(checkpoint, map_location="cpu", weights_only=False)
+    result = cli(killed, [f"resume={run_id}", "trainer.progress_bar=false"])
+    assert result.returncode == 0, result.stderr[-3000:]
+    _, ref_err = ref_process.communicate(timeout=300)
+    assert ref_process.returncode == 0, ref_err[-3000:]
+    (resumed,) = runs(killed)
+    assert resumed.info.run_id == run_id and resumed.data.tags["resumed"] == "1"
+    _compare(reference, killed)
+    return saved
+
+
+def test_sigkill_mid_epoch_then_resume_equals_uninterrupted(tmp_path, store):
+    saved = _scenario(tmp_path, store, ["trainer.checkpoint_every_n_steps=3"])
+    assert saved["xmc_repro"]["at"] == "step"
+    assert saved["global_step"] % STEPS_PER_EPOCH != 0  # really mid-epoch
+    assert saved["callbacks"]["Rewiring"]["rewirings"] >= 0
+
+
+@pytest.mark.slow
+def test_sigkill_after_an_epoch_then_resume_equals_uninterrupted(tmp_path, store):
+    saved = _scenario(tmp_path, store, [])
+    assert saved["xmc_repro"]["at"] == "epoch" and saved["global_step"] == STEPS_PER_EPOCH
+
+
+def test_resume_names_what_is_missing(tmp_path, monkeypatch):
+    from xmc_repro.errors import ConfigError
+    from xmc_repro.train import resume_checkpoint
+
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ConfigError, match=r"resume=0123abc: neither a checkpoint file nor a run with checkpoints/0123abc"):
+        resume_checkpoint("0123abc")
+    (tmp_path / "junk.ckpt").write_bytes(b"not a checkpoint")
+    with pytest.raises(ConfigError, match="not a readable checkpoint"):
+        checkpoints.read(resume_checkpoint(str(tmp_path / "junk.ckpt")))
+
+
+def test_reopening_a_run(tmp_path, store):
+    from xmc_repro.errors import ConfigError
+    from xmc_repro.tracking import RunTracker
+
+    copy_store(store, tmp_path)
+    uri = f"sqlite:///{tmp_path / 'mlruns.db'}"
+    failed = RunTracker(uri, "e")
+    failed.finish("FAILED", "the training loss is nan at step 3")
+    reopened = RunTracker(uri, "e", run_id=failed.run_id)
+    run = reopened.client.get_run(failed.run_id)
+    assert run.info.status == "RUNNING" and "error" not in run.data.tags and run.data.tags["resumed"] == "1"
+    reopened.finish("FINISHED")
+    with pytest.raises(ConfigError, match="already FINISHED"):
+        RunTracker(uri, "e", run_id=failed.run_id)
+    with pytest.raises(ConfigError, match="is not in sqlite"):
+        RunTracker(uri, "e", run_id="0" * 32)
+
+
+def test_resume_config_keeps_the_run_settings():
+    from xmc_repro.train import resume_config
+
+    stored = OmegaConf.create({"model": {"head": "uniform", "connectivity": 8}, "trainer": {"max_epochs": 3, "lr": 0.1},
+                               "logger": {"tracking_uri": "sqlite:///old.db"}, "resume": None})
+    now = OmegaConf.create({"model": {"head": "dense", "connectivity": None}, "trainer": {"max_epochs": 5, "lr": 0.1},
+                            "logger": {"tracking_uri": "sqlite:///new.db"}, "resume": "abc", "new_section": {"x": 1}})
+    merged = resume_config(now, stored, explicit=["resume", "trainer.max_epochs", "trainer.lr"])
+    assert merged.model.head == "uniform" and merged.model.connectivity == 8  # not given: the run's own
+    assert merged.trainer.max_epochs == 5  # may change
+    assert merged.logger.tracking_uri == "sqlite:///new.db" and merged.resume == "abc"
+    assert merged.new_section.x == 1
+    with pytest.raises(Exception, match="model was"):
+        resume_config(now, stored, explicit=["model"])

@@ -1,0 +1,82 @@
+"""Concurrent sweeps: several jobs writing one sqlite MLflow store at once lose no run and never fail on a lock."""
+
+from __future__ import annotations
+
+import sqlite3
+
+import pytest
+
+from test_reliability_common import TINY, runs, start
+from xmc_repro import tracking
+
+
+def test_four_jobs_write_one_fresh_store_at_once(tmp_path):
+    # A fresh store: the four processes also race to create its schema and the experiment.
+    processes = [start(tmp_path, [*TINY, "trainer.max_epochs=1", f"seed={seed}"]) for seed in range(4)]
+    outputs = [p.communicate(timeout=600) for p in processes]
+    for process, (_, err) in zip(processes, outputs):
+        assert process.returncode == 0, err[-3000:]
+        assert "locked" not in err, err[-3000:]
+    found = runs(tmp_path)
+    assert sorted(r.data.params["seed"] for r in found) == ["0", "1", "2", "3"]
+    for run in found:
+        assert run.info.status == "FINISHED"
+        assert {"test/p_at_1", "train/p_at_5", "val/p_at_3", "epochs"} <= set(run.data.metrics)
+
+
+def test_retries_ride_out_lock_contention(monkeypatch):
+    monkeypatch.setattr(tracking.time, "sleep", lambda seconds: None)
+    calls = []
+
+    def flaky(value):
+        calls.append(value)
+        if len(calls) < 4:
+            raise sqlite3.OperationalError("database is locked")
+        return value * 2
+
+    assert tracking.with_retries(flaky, 21) == 42 and len(calls) == 4
+
+
+def test_retries_do_not_hide_real_errors(monkeypatch):
+    monkeypatch.setattr(tracking.time, "sleep", lambda seconds: None)
+    calls = []
+
+    def broken():
+        calls.append(1)
+        raise sqlite3.OperationalError("no such table: runs")
+
+    with pytest.raises(sqlite3.OperationalError, match="no such table"):
+        tracking.with_retries(broken)
+    assert len(calls) == 1
+
+
+def test_retries_give_up_after_the_deadline(monkeypatch):
+    clock = iter(range(0, 10_000, 100))
+    monkeypatch.setattr(tracking.time, "monotonic", lambda: float(next(clock)))
+    monkeypatch.setattr(tracking.time, "sleep", lambda seconds: None)
+
+    def always_locked():
+        raise sqlite3.OperationalError("database is locked")
+
+    with pytest.raises(sqlite3.OperationalError, match="locked"):
+        tracking.with_retries(always_locked)
+
+
+def test_contention_is_recognised_through_mlflow_wrapping():
+    from mlflow.exceptions import MlflowException
+
+    try:
+        try:
+            raise sqlite3.OperationalError("database is locked")
+        except sqlite3.OperationalError as cause:
+            raise MlflowException("(sqlite3.OperationalError) database is locked") from cause
+    except MlflowException as wrapped:
+        assert tracking.is_contention(wrapped)
+    assert not tracking.is_contention(ValueError("bad value"))
+
+
+def test_sqlite_path():
+    assert str(tracking.sqlite_path("sqlite:///mlruns.db")) == "mlruns.db"
+    assert str(tracking.sqlite_path("sqlite:////abs/dir/m.db")) == "/abs/dir/m.db"
+    assert tracking.sqlite_path("http://localhost:5000") is None
+    assert tracking.sqlite_path("sqlite:///:memory:") is None
