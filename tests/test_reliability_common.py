@@ -73,12 +73,19 @@ def runs(directory: Path) -> list:
 
 
 def make_store(directory: Path) -> Path:
-    """An initialised, empty MLflow sqlite store (its schema takes seconds to create: copy it instead)."""
-    from mlflow.tracking import MlflowClient
+    """An initialised, empty MLflow sqlite store, made once per test session (its schema takes seconds):
+    tests copy it (`copy_store`)."""
+    global _TEMPLATE
+    if _TEMPLATE is None or not _TEMPLATE.is_file():
+        from mlflow.tracking import MlflowClient
 
-    directory.mkdir(parents=True, exist_ok=True)
-    MlflowClient(tracking_uri(directory)).search_experiments()
-    return directory / "mlruns.db"
+        directory.mkdir(parents=True, exist_ok=True)
+        MlflowClient(tracking_uri(directory)).search_experiments()
+        _TEMPLATE = directory / "mlruns.db"
+    return _TEMPLATE
+
+
+_TEMPLATE: Path | None = None
 
 
 def copy_store(template: Path, directory: Path) -> None:

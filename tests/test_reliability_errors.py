@@ -80,10 +80,9 @@ def outcomes(request, tmp_path_factory, store):
     return {name: (base / name, future.result()) for name, future in futures.items()}
 
 
-# One case per source of errors runs by default (XC parser, .npy loader, layer sizes, config checks, Hydra);
+# One case per source of errors runs by default (XC parser, .npy loader, layer sizes, Hydra);
 # the others take as long each (an interpreter start) and run with -m slow.
-DEFAULT_CASES = ("malformed_line", "npy_wrong_dtype", "connectivity_too_large", "intermediate_not_positive",
-                 "unknown_config_choice")
+DEFAULT_CASES = ("malformed_line", "npy_wrong_dtype", "connectivity_too_large", "unknown_config_choice")
 
 
 @pytest.mark.parametrize(

@@ -1,7 +1,7 @@
-"""Interrupted runs: SIGKILL a training process, resume it, and get what an uninterrupted run gets.
+"""Interrupted runs: kill a training process, resume it, and get what an uninterrupted run gets.
 
 Each scenario starts the reference run (never interrupted) and the run to kill at the same time, kills the
-latter right after its first checkpoint lands, resumes it with `resume=<run id>`, and compares: the same MLflow
+latter (SIGKILL mid-epoch; SIGTERM after an epoch) right after its first checkpoint lands, resumes it with `resume=<run id>`, and compares: the same MLflow
 run continues and ends FINISHED; the final sparse connections are identical, weights and every metric
 (test/train P@k, nDCG, PSP, the per-epoch validation P@3 history) equal within float tolerance.
 """
@@ -37,13 +37,13 @@ def _workdir(base: Path, name: str, store: Path) -> Path:
     return path
 
 
-def _kill_after_first_checkpoint(process, workdir: Path, timeout: float = 240) -> Path:
+def _kill_after_first_checkpoint(process, workdir: Path, how: signal.Signals, timeout: float = 240) -> Path:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         found = list(workdir.glob("checkpoints/*/last.ckpt"))
         if found:
-            process.send_signal(signal.SIGKILL)
-            process.wait()
+            process.send_signal(how)
+            process.wait(timeout=120)
             return found[0]
         if process.poll() is not None:
             pytest.fail(f"the run ended before its first checkpoint:\n{process.stderr.read()[-3000:]}")
@@ -81,20 +81,27 @@ def _compare(reference: Path, resumed: Path) -> None:
         torch.testing.assert_close(res_state[key], ref_state[key], rtol=1e-5, atol=1e-6, msg=key)
 
 
-def _scenario(tmp_path: Path, store: Path, extra: list[str]):
+def _scenario(tmp_path: Path, store: Path, extra: list[str], how: signal.Signals = signal.SIGKILL):
     reference, killed = _workdir(tmp_path, "reference", store), _workdir(tmp_path, "killed", store)
     ref_process, process = start(reference, CONFIG + extra), start(killed, CONFIG + extra)
-    checkpoint = _kill_after_first_checkpoint(process, killed)
+    checkpoint = _kill_after_first_checkpoint(process, killed, how)
+    saved = torch.load(checkpoint, map_location="cpu", weights_only=False)
     run_id = checkpoint.parent.name
     (interrupted,) = runs(killed)
-    assert interrupted.info.status == "RUNNING"  # SIGKILL leaves no chance to close it
-    saved = torch.load(checkpoint, map_location="cpu", weights_only=False)
+    if how == signal.SIGKILL:
+        assert interrupted.info.status == "RUNNING"  # no chance to close it
+    else:  # SIGTERM (a scheduler's preemption): stops after the current batch, FAILED with how to go on
+        assert process.returncode == 143
+        message = f"interrupted (SIGTERM); continue it with resume={run_id}"
+        assert f"error: {message}" in process.stderr.read().splitlines()
+        assert interrupted.info.status == "FAILED" and interrupted.data.tags["error"] == message
     result = cli(killed, [f"resume={run_id}", "trainer.progress_bar=false"])
     assert result.returncode == 0, result.stderr[-3000:]
     _, ref_err = ref_process.communicate(timeout=300)
     assert ref_process.returncode == 0, ref_err[-3000:]
     (resumed,) = runs(killed)
     assert resumed.info.run_id == run_id and resumed.data.tags["resumed"] == "1"
+    assert "error" not in resumed.data.tags
     _compare(reference, killed)
     return saved
 
@@ -107,8 +114,8 @@ def test_sigkill_mid_epoch_then_resume_equals_uninterrupted(tmp_path, store):
 
 
 @pytest.mark.slow
-def test_sigkill_after_an_epoch_then_resume_equals_uninterrupted(tmp_path, store):
-    saved = _scenario(tmp_path, store, [])
+def test_sigterm_after_an_epoch_then_resume_equals_uninterrupted(tmp_path, store):
+    saved = _scenario(tmp_path, store, [], how=signal.SIGTERM)
     assert saved["xmc_repro"]["at"] == "epoch" and saved["global_step"] == STEPS_PER_EPOCH
 
 

@@ -87,8 +87,8 @@ def test_the_report_command_line_renders_files(store):
     out = tmp / "cli"
     assert report_main(["--tracking-uri", uri, "export", "--out", str(out / "runs.csv")]) == 0
     assert write_grid(out / "grid.csv", tables=("table4",), scales=("smoke",)) == 12
-    paths = ["--runs", out / "runs.csv", "--grid", out / "grid.csv", "--tables", out / "tables", "--figures", out / "figs"]
-    assert report_main(["render", *map(str, paths)]) == 0
+    paths = {"--runs": "runs.csv", "--grid": "grid.csv", "--tables": "tables", "--figures": "figures"}
+    assert report_main(["render", *(part for flag, name in paths.items() for part in (flag, str(out / name)))]) == 0
     text = (out / "tables" / "table4.md").read_text()
     assert "Smoke-Amazon-670K slice: uniform 32 + 128" in text and "| missing |" in text
     assert sorted(p.name for p in (out / "tables").iterdir()) == sorted(

@@ -64,7 +64,7 @@ def _sweep_job() -> str | None:
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="config")
 def _task(cfg: DictConfig):
-    from xmc_repro.train import failure_message, run
+    from xmc_repro.train import failure_message, interruption, run
 
     try:
         results = run(cfg)
@@ -84,6 +84,12 @@ def _task(cfg: DictConfig):
         print(f"error: job {job}: {message}", file=sys.stderr)
         _record_failure(f"{job}: {message}")
         return None
+    except (KeyboardInterrupt, SystemExit) as error:  # Ctrl+C or SIGTERM: the run is FAILED; stop (a sweep too)
+        if full_errors() or not hasattr(error, "run_failure"):
+            raise
+        print(f"error: {error.run_failure}", file=sys.stderr)
+        code = getattr(error, "code", None)
+        sys.exit({"SIGTERM": 143, "Ctrl+C": 130}.get(interruption(error), code if isinstance(code, int) and code else 1))
     print_summary(cfg, results)
     return results
 

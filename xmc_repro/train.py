@@ -120,10 +120,21 @@ def prepare(cfg: DictConfig) -> tuple[DictConfig, Path | None, str | None]:
     """(config to run, checkpoint to resume from, MLflow run id to continue); the last two None for a new run."""
     if not cfg.get("resume"):
         return cfg, None, None
+    if sweep_tags():
+        raise ConfigError(f"resume={cfg.resume} continues one run: run it without -m")
     path = resume_checkpoint(cfg.resume)
     saved = checkpoints.read(path)
     merged = resume_config(cfg, OmegaConf.create(saved["config"]), explicit_settings())
     return merged, path, saved["run_id"]
+
+
+def interruption(error: BaseException) -> str:
+    """What stopped a run from outside: SIGTERM, Ctrl+C (Lightning turns it into exit(1)), or an exit."""
+    if type(error).__name__ == "SIGTERMException":
+        return "SIGTERM"
+    if isinstance(error, KeyboardInterrupt) or isinstance(error.__context__, KeyboardInterrupt):
+        return "Ctrl+C"
+    return f"exit {getattr(error, 'code', None)}"
 
 
 def failure_message(error: BaseException, run_id: str | None = None, last_checkpoint: Path | None = None) -> str:
@@ -134,8 +145,7 @@ def failure_message(error: BaseException, run_id: str | None = None, last_checkp
     elif isinstance(error, NonFiniteLossError):
         text = f"{error}; " + (f"the last good checkpoint is kept: {last_checkpoint}" if kept else "no checkpoint yet")
     elif isinstance(error, (KeyboardInterrupt, SystemExit)):
-        how = "SIGTERM" if type(error).__name__ == "SIGTERMException" else type(error).__name__
-        text = f"interrupted ({how})" + (f"; continue it with resume={run_id}" if kept and run_id else "")
+        text = f"interrupted ({interruption(error)})" + (f"; continue it with resume={run_id}" if kept and run_id else "")
     elif isinstance(error, getattr(torch, "OutOfMemoryError", torch.cuda.OutOfMemoryError)):
         text = (
             "out of GPU memory; lower trainer.batch_size and trainer.eval_batch_size (scores are batch x labels), "

@@ -17,10 +17,8 @@ from xmc_repro.report.identity import PAPER_DATASETS, describe
 PLOT_COLUMNS = ("setup", "memory_gib", "test_p1", "scale", "card")
 
 
-
-
 def paper_points(published: list[dict]) -> dict[str, list[dict]]:
-    """Published (memory, P@1) per paper dataset (by our config name), each row once even where two tables repeat it."""
+    """Published (memory, P@1) per paper dataset (named as our config), each row once though tables repeat some."""
     points: dict[str, list[dict]] = {}
     seen = set()
     for row in published:
@@ -30,10 +28,10 @@ def paper_points(published: list[dict]) -> dict[str, list[dict]]:
         if key in seen:
             continue
         seen.add(key)
-        label = describe({"setup": row["setup"], "connectivity": row["connectivity"] if row["setup"] != "dense" else "",
-                          "intermediate": row["intermediate"], "bottleneck": "", "loss": row["loss"]})  # fmt: skip
-        if row["loss"] == "bce":
-            label += " (bce)"
+        sparse = row["setup"] in ("uniform", "unstructured")  # the paper writes a bottleneck's width as connectivity
+        label = describe({"setup": row["setup"], "connectivity": row["connectivity"] if sparse else "",
+                          "bottleneck": row["connectivity"], "intermediate": "" if not sparse else row["intermediate"]})
+        label += " (bce)" if row["loss"] == "bce" else ""
         points.setdefault(PAPER_DATASETS[row["dataset"], row["features"]], []).append(
             {"setup": label, "memory_gib": row["memory_gib"], "test_p1": row["test_p1"], "scale": "", "card": "V100"}
         )

@@ -143,8 +143,9 @@ def _our_run(row: dict) -> str:
     if not row["our_dataset"]:
         return ""
     text = f"{row['our_dataset']}: {row['our_setup']}"
-    if row["seeds"]:
-        text += f" (seed{'s' if ',' in row['seeds'] or ';' in row['seeds'] else ''} {row['seeds'].replace(';', ',')})"
+    seeds = row["seeds"].split(";") if row["seeds"] else []
+    if seeds:
+        text += f" (seed{'s' if len(seeds) > 1 else ''} {','.join(seeds)})"
     return text
 
 
