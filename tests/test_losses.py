@@ -104,3 +104,19 @@ def test_cuda_matches_cpu_with_labels_left_on_the_host(name):
     (g_gpu,) = torch.autograd.grad(gpu, s_gpu)
     torch.testing.assert_close(gpu.cpu(), cpu)
     torch.testing.assert_close(g_gpu.cpu(), g_cpu)
+
+
+def test_losses_accept_non_contiguous_scores():
+    # The unstructured head returns a transposed product; its gradient must match the contiguous case.
+    torch.manual_seed(3)
+    scores_t = torch.randn(7, 5, requires_grad=True)
+    label_ptr = torch.tensor([0, 2, 3, 3, 5, 6])
+    label_idx = torch.tensor([1, 4, 0, 6, 2, 3])
+    for fn in (squared_hinge_loss, bce_loss):
+        fn(scores_t.t(), label_ptr, label_idx).backward()
+        expected_grad = scores_t.grad.clone()
+        scores_t.grad = None
+        contiguous = scores_t.detach().t().contiguous().requires_grad_()
+        fn(contiguous, label_ptr, label_idx).backward()
+        torch.testing.assert_close(expected_grad, contiguous.grad.t())
+        scores_t.grad = None

@@ -93,13 +93,14 @@ class _BCE(torch.autograd.Function):
 def squared_hinge_loss(scores: torch.Tensor, label_ptr: torch.Tensor, label_idx: torch.Tensor) -> torch.Tensor:
     """mean over batch and labels of ``relu(1 - (2y - 1) s)^2``; scores (B, L), labels as CSR lists."""
     positives = positive_positions(label_ptr, label_idx, scores.shape[1], scores.device)
-    return _SquaredHinge.apply(scores, positives)
+    # The flat positions index a row-major layout (a transposed sparse product is not one).
+    return _SquaredHinge.apply(scores.contiguous(), positives)
 
 
 def bce_loss(scores: torch.Tensor, label_ptr: torch.Tensor, label_idx: torch.Tensor) -> torch.Tensor:
     """mean over batch and labels of binary cross-entropy with logits; scores (B, L), labels as CSR lists."""
     positives = positive_positions(label_ptr, label_idx, scores.shape[1], scores.device)
-    return _BCE.apply(scores, positives)
+    return _BCE.apply(scores.contiguous(), positives)
 
 
 LOSSES = {"squared_hinge": squared_hinge_loss, "bce": bce_loss}

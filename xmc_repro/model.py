@@ -121,7 +121,9 @@ class XMCClassifier(pl.LightningModule):
 
     def configure_optimizers(self):
         hp = self.hparams
-        optimizer = torch.optim.Adam(self.parameters(), lr=hp.lr)
+        # Fused Adam on CUDA updates each parameter in one kernel, without the parameter-sized temporaries
+        # of the multi-tensor path: at 670k labels those are a sizeable part of the peak memory.
+        optimizer = torch.optim.Adam(self.parameters(), lr=hp.lr, fused=self.device.type == "cuda" or None)
         # The authors' thresholds are in P@3 as a fraction; our metrics are in percent.
         scheduler = torch.optim.lr_scheduler.ReduceLROnPlateau(
             optimizer,
