@@ -25,8 +25,13 @@ NPY = ["dataset=wiki10_31k", "dataset.data_dir=.", "trainer.progress_bar=false"]
 
 
 def _npy(x):
-    return lambda d: (d.joinpath("train-labels.txt").write_text(LABELS), d.joinpath("test-labels.txt").write_text(LABELS),
-                      np.save(d / "train-cascade.npy", x), np.save(d / "test-cascade.npy", np.zeros((3, 768), np.float32)))
+    def write(d: Path):
+        for split in ("train", "test"):
+            d.joinpath(f"{split}-labels.txt").write_text(LABELS)
+        np.save(d / "train-cascade.npy", x)
+        np.save(d / "test-cascade.npy", np.zeros((3, 768), np.float32))
+
+    return write
 
 
 def _xc(train=GOOD_TRAIN, test=GOOD_TEST):
@@ -38,7 +43,7 @@ nan_rows[1, 5] = np.nan
 
 # case: (files to write, command line, what the one line must say, whether the MLflow run had been opened)
 CASES = {
-    "malformed_header": (_xc(train="3 five 3\n" + GOOD_TRAIN.split("\n", 1)[1]), XC, "train.txt:1: malformed header", True),
+    "malformed_header": (_xc(train="3 five 3\n0,1 0:1.0\n"), XC, "train.txt:1: malformed header", True),
     "malformed_line": (_xc(train="3 5 3\n0,1 0:1.0\n0,x 1:1.0\n1 3:1\n"), XC, "train.txt:3: label 'x'", True),
     "label_beyond_count": (_xc(train="3 5 3\n0,1 0:1.0\n7 1:1.0\n1 3:1\n"), XC, "train.txt:3: label id 7 >= 3", True),
     "feature_beyond_count": (_xc(test="2 5 3\n0 0:1.0\n1 9:2.0\n"), XC, "test.txt:3: feature index 9 >= 5", True),

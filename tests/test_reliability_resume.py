@@ -1,9 +1,10 @@
 """Interrupted runs: kill a training process, resume it, and get what an uninterrupted run gets.
 
 Each scenario starts the reference run (never interrupted) and the run to kill at the same time, kills the
-latter (SIGKILL mid-epoch; SIGTERM after an epoch) right after its first checkpoint lands, resumes it with `resume=<run id>`, and compares: the same MLflow
-run continues and ends FINISHED; the final sparse connections are identical, weights and every metric
-(test/train P@k, nDCG, PSP, the per-epoch validation P@3 history) equal within float tolerance.
+latter (SIGKILL mid-epoch; SIGTERM after an epoch) right after its first checkpoint lands, resumes it with
+`resume=<run id>`, and compares: the same MLflow run continues and ends FINISHED; the final sparse
+connections are identical, weights and every metric (test/train P@k, nDCG, PSP, the per-epoch validation
+P@3 history) equal within float tolerance.
 """
 
 from __future__ import annotations
@@ -124,7 +125,7 @@ def test_resume_names_what_is_missing(tmp_path, monkeypatch):
     from xmc_repro.train import resume_checkpoint
 
     monkeypatch.chdir(tmp_path)
-    with pytest.raises(ConfigError, match=r"resume=0123abc: neither a checkpoint file nor a run with checkpoints/0123abc"):
+    with pytest.raises(ConfigError, match=r"resume=0123abc: neither a checkpoint file nor a run with checkpoints/0123"):
         resume_checkpoint("0123abc")
     (tmp_path / "junk.ckpt").write_bytes(b"not a checkpoint")
     with pytest.raises(ConfigError, match="not a readable checkpoint"):

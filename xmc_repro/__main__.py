@@ -8,6 +8,7 @@ the sweep ends with a one-line summary of the failed jobs and exit status 1.
 
 from __future__ import annotations
 
+import functools
 import os
 import sys
 import traceback
@@ -89,7 +90,8 @@ def _task(cfg: DictConfig):
             raise
         print(f"error: {error.run_failure}", file=sys.stderr)
         code = getattr(error, "code", None)
-        sys.exit({"SIGTERM": 143, "Ctrl+C": 130}.get(interruption(error), code if isinstance(code, int) and code else 1))
+        fallback = code if isinstance(code, int) and code else 1
+        sys.exit({"SIGTERM": 143, "Ctrl+C": 130}.get(interruption(error), fallback))
     print_summary(cfg, results)
     return results
 
@@ -141,7 +143,7 @@ def _one_line_hydra_errors() -> None:
             print(f"error: {' '.join(text.split())}", file=sys.stderr)
             sys.exit(2)
         except Exception as error:
-            return original(lambda: _reraise(error))
+            return original(functools.partial(_reraise, error))
 
     run_and_report.one_line = True
     hydra_utils.run_and_report = run_and_report

@@ -96,7 +96,8 @@ class LastCheckpoint(Checkpoint):
             return
         # On an epoch's last batch the epoch-end checkpoint follows; Lightning would also resume a step
         # checkpoint taken there by skipping that epoch's validation.
-        if trainer.fit_loop.epoch_loop.batch_progress.is_last_batch:
+        progress = trainer.fit_loop.epoch_loop.batch_progress
+        if progress.is_last_batch or progress.current.processed >= trainer.num_training_batches:
             return
         self._save(trainer, pl_module, "step")
 
@@ -114,7 +115,7 @@ class LastCheckpoint(Checkpoint):
         self._saving_at = at
         tmp = self.path.with_name(LAST + ".tmp")
         try:
-            trainer.save_checkpoint(tmp)
+            trainer.save_checkpoint(tmp, weights_only=False)
         finally:
             self._saving_at = None
         if trainer.is_global_zero:
@@ -138,7 +139,7 @@ class LastCheckpoint(Checkpoint):
             "rng": rng_states(),
             "should_stop": bool(trainer.should_stop),
             "monitor": None if monitor is None else float(monitor),
-            "epochs_done": trainer.current_epoch + (1 if at == "epoch" else 0),
+            "epochs_done": trainer.current_epoch + (0 if at == "step" else 1),  # epochs validated so far
         }
 
     # ------------------------------------------------------------------ resuming

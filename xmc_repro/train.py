@@ -36,25 +36,35 @@ RESUMABLE_SETTINGS = (
 LIVE_SECTIONS = ("resume", "logger", "hydra")  # always taken from the command line
 
 
+def _number(cfg: DictConfig, key: str, kind=int, positive: bool = True):
+    value = OmegaConf.select(cfg, key)
+    try:
+        number = kind(value)
+    except (TypeError, ValueError):
+        number = None
+    if number is None or isinstance(value, bool) or (kind is int and number != value) or (positive and number <= 0):
+        what = "a positive " + ("integer" if kind is int else "number") if positive else "an integer"
+        raise ConfigError(f"{key}={value!r} must be {what}")
+    return number
+
+
 def validate(cfg: DictConfig) -> None:
-    """Settings that would otherwise fail deep inside training."""
-    t = cfg.trainer
-    for key in ("batch_size", "eval_batch_size", "max_epochs"):
-        if int(t[key]) <= 0:
-            raise ConfigError(f"trainer.{key}={t[key]} must be positive")
-    if cfg.model.intermediate is not None and int(cfg.model.intermediate) <= 0:
+    """Settings that would otherwise fail deep inside training (with a traceback instead of one line)."""
+    for key in ("trainer.batch_size", "trainer.eval_batch_size", "trainer.max_epochs"):
+        _number(cfg, key)
+    _number(cfg, "trainer.lr", float)
+    _number(cfg, "seed", positive=False)
+    if cfg.model.intermediate is not None and _number(cfg, "model.intermediate", int, positive=False) <= 0:
         raise ConfigError(
-            f"model.intermediate={cfg.model.intermediate} must be a positive layer size, or null for no intermediate layer"
+            f"model.intermediate={cfg.model.intermediate} must be a positive layer size, "
+            "or null for no intermediate layer"
         )
     if cfg.validate_on not in ("test", "holdout"):
         raise ConfigError(f"validate_on={cfg.validate_on!r} must be 'test' (the authors' protocol) or 'holdout'")
-    if not 0 <= float(cfg.model.rewire_fraction) < 1:
+    if not 0 <= _number(cfg, "model.rewire_fraction", float, positive=False) < 1:
         raise ConfigError(f"model.rewire_fraction={cfg.model.rewire_fraction} must be in [0, 1)")
-    every = t.get("checkpoint_every_n_steps")
-    if every is not None and (isinstance(every, bool) or not isinstance(every, int) or every <= 0):
-        raise ConfigError(
-            f"trainer.checkpoint_every_n_steps={every} must be a positive number of steps, or null (every epoch only)"
-        )
+    if cfg.trainer.get("checkpoint_every_n_steps") is not None:
+        _number(cfg, "trainer.checkpoint_every_n_steps")
 
 
 # --------------------------------------------------------------------------------------------- resume
@@ -96,8 +106,7 @@ def resume_config(cfg: DictConfig, stored: DictConfig, explicit: list[str]) -> D
         if key.split(".")[0] in LIVE_SECTIONS or key in RESUMABLE_SETTINGS:
             continue
         now, then = (OmegaConf.select(c, key, default=None) for c in (cfg, stored))
-        plain = (OmegaConf.to_container(v, resolve=True) if isinstance(v, DictConfig) else v for v in (now, then))
-        if now is not None and then is not None and next(plain) != next(plain):
+        if now is not None and then is not None and _plain(now) != _plain(then):
             raise ConfigError(
                 f"resume: {key} was {_short(then)} in the run and is {_short(now)} on this command line; a resumed "
                 f"run keeps its settings (only {', '.join(RESUMABLE_SETTINGS)} may change): drop {key}=..."
@@ -107,8 +116,12 @@ def resume_config(cfg: DictConfig, stored: DictConfig, explicit: list[str]) -> D
             OmegaConf.update(merged, key, OmegaConf.select(cfg, key), force_add=True)
     for key in cfg:
         if key in LIVE_SECTIONS or key not in merged:
-            merged[key] = OmegaConf.to_container(cfg[key], resolve=True) if isinstance(cfg[key], DictConfig) else cfg[key]
+            merged[key] = _plain(cfg[key])
     return merged
+
+
+def _plain(value):
+    return OmegaConf.to_container(value, resolve=True) if isinstance(value, DictConfig) else value
 
 
 def _short(value) -> str:
@@ -145,7 +158,9 @@ def failure_message(error: BaseException, run_id: str | None = None, last_checkp
     elif isinstance(error, NonFiniteLossError):
         text = f"{error}; " + (f"the last good checkpoint is kept: {last_checkpoint}" if kept else "no checkpoint yet")
     elif isinstance(error, (KeyboardInterrupt, SystemExit)):
-        text = f"interrupted ({interruption(error)})" + (f"; continue it with resume={run_id}" if kept and run_id else "")
+        text = f"interrupted ({interruption(error)})"
+        if kept and run_id:
+            text += f"; continue it with resume={run_id}"
     elif isinstance(error, getattr(torch, "OutOfMemoryError", torch.cuda.OutOfMemoryError)):
         text = (
             "out of GPU memory; lower trainer.batch_size and trainer.eval_batch_size (scores are batch x labels), "
@@ -227,11 +242,26 @@ def sweep_tags() -> dict[str, str]:
     return {"sweep_id": Path(hc.sweep.dir).as_posix(), "job_num": str(hc.job.num)}
 
 
+def open_run(cfg: DictConfig, run_id: str | None) -> RunTracker:
+    """A new MLflow run, or the one `resume` continues; ConfigError (one line) if the store cannot be used."""
+    uri = cfg.logger.tracking_uri
+    try:
+        return RunTracker(uri, cfg.logger.experiment_name, run_id=run_id)
+    except UserError:
+        raise
+    except Exception as error:
+        reason = " ".join(str(error).split())[:300]
+        raise ConfigError(
+            f"logger.tracking_uri={uri}: cannot use this MLflow store ({type(error).__name__}: {reason}); "
+            "use sqlite:///mlruns.db, an http://host:port tracking server, or set MLFLOW_TRACKING_URI"
+        ) from error
+
+
 def run(cfg: DictConfig) -> dict:
     """Train and test one configuration (or continue one, `resume=`); returns the final metrics and run id."""
     cfg, resume_from, run_id = prepare(cfg)
     validate(cfg)
-    tracker = RunTracker(cfg.logger.tracking_uri, cfg.logger.experiment_name, run_id=run_id)
+    tracker = open_run(cfg, run_id)
     checkpoint_dir = resume_from.parent if resume_from else CHECKPOINT_ROOT / tracker.run_id
     progress: dict = {}  # the trainer, once there is one: for the step a failure happened at
     try:
