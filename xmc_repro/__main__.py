@@ -92,7 +92,8 @@ def _task(cfg: DictConfig):
         code = getattr(error, "code", None)
         fallback = code if isinstance(code, int) and code else 1
         sys.exit({"SIGTERM": 143, "Ctrl+C": 130}.get(interruption(error), fallback))
-    print_summary(cfg, results)
+    if results:  # empty on DDP ranks other than 0, which record and report nothing
+        print_summary(cfg, results)
     return results
 
 

@@ -100,6 +100,10 @@ class EpochTime(pl.Callback):
     def on_fit_start(self, trainer, pl_module):
         self._fit_start = time.perf_counter()
 
+    def on_train_start(self, trainer, pl_module):
+        # A run resumed mid-epoch gets no on_train_epoch_start for that epoch: start its clock here.
+        self._epoch_start = time.perf_counter()
+
     def on_train_epoch_start(self, trainer, pl_module):
         self._epoch_start = time.perf_counter()
 

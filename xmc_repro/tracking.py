@@ -151,7 +151,14 @@ class RunTracker:
 
     def _experiment(self, name: str) -> str:
         experiment = self.client.get_experiment_by_name(name)
-        return experiment.experiment_id if experiment else self.client.create_experiment(name)
+        if experiment:
+            return experiment.experiment_id
+        try:
+            return self.client.create_experiment(name)
+        except MlflowException as error:  # another job of the sweep created it meanwhile (a tracking server)
+            if error.error_code != "RESOURCE_ALREADY_EXISTS":
+                raise
+            return self.client.get_experiment_by_name(name).experiment_id
 
     def _reopen(self, run_id: str) -> None:
         try:

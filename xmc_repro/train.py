@@ -8,17 +8,18 @@ continues the same run from it with the run's own settings (see `resume_config`)
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import EarlyStopping, ModelCheckpoint, RichProgressBar
+from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
 from xmc_repro import checkpoints
 from xmc_repro.callbacks import EpochTime, PeakMemory, Rewiring
 from xmc_repro.data import build_datamodule
+from xmc_repro.distributed import launch_problem, launch_rank
 from xmc_repro.errors import ConfigError, UserError
 from xmc_repro.metrics import inverse_propensity
 from xmc_repro.model import NonFiniteLossError, XMCClassifier
@@ -65,6 +66,9 @@ def validate(cfg: DictConfig) -> None:
         raise ConfigError(f"model.rewire_fraction={cfg.model.rewire_fraction} must be in [0, 1)")
     if cfg.trainer.get("checkpoint_every_n_steps") is not None:
         _number(cfg, "trainer.checkpoint_every_n_steps")
+    problem = launch_problem(cfg.trainer, multirun=bool(sweep_tags()))
+    if problem:
+        raise ConfigError(problem)
 
 
 # --------------------------------------------------------------------------------------------- resume
@@ -193,15 +197,6 @@ def build_model(cfg: DictConfig, dm) -> XMCClassifier:
     )
 
 
-class _EpochTime(EpochTime):
-    """EpochTime whose epoch clock also starts when a run resumes mid-epoch (Lightning then skips
-    on_train_epoch_start). To fold into callbacks.EpochTime."""
-
-    def on_train_start(self, trainer, pl_module):
-        if self._epoch_start is None:
-            self._epoch_start = time.perf_counter()
-
-
 def build_callbacks(cfg: DictConfig, checkpoint_dir: Path, info: dict | None = None) -> dict[str, pl.Callback]:
     t, d = cfg.trainer, cfg.dataset
     callbacks = {
@@ -212,7 +207,7 @@ def build_callbacks(cfg: DictConfig, checkpoint_dir: Path, info: dict | None = N
             seed=int(cfg.seed),
         ),
         "memory": PeakMemory(),
-        "time": _EpochTime(),
+        "time": EpochTime(),
         # Both thresholds are P@3 fractions in the authors' code; our metrics are percentages.
         "early_stop": EarlyStopping(
             monitor="val/p_at_3", mode="max", patience=t.early_stop_patience, min_delta=t.early_stop_min_delta * 100
@@ -261,6 +256,8 @@ def run(cfg: DictConfig) -> dict:
     """Train and test one configuration (or continue one, `resume=`); returns the final metrics and run id."""
     cfg, resume_from, run_id = prepare(cfg)
     validate(cfg)
+    if launch_rank() != 0:  # a further DDP rank: trains in step with rank 0, which alone records the run
+        return _fit_and_test(cfg, None, CHECKPOINT_ROOT / "other-rank", resume_from, {})
     tracker = open_run(cfg, run_id)
     checkpoint_dir = resume_from.parent if resume_from else CHECKPOINT_ROOT / tracker.run_id
     progress: dict = {}  # the trainer, once there is one: for the step a failure happened at
@@ -281,6 +278,7 @@ def run(cfg: DictConfig) -> dict:
 
 
 def _fit_and_test(cfg, tracker, checkpoint_dir: Path, resume_from: Path | None, progress: dict) -> dict:
+    """Fit, then (with a tracker: on DDP rank 0 only) test and record; other ranks return {} after fit."""
     from xmc_repro.sparse import backend
 
     pl.seed_everything(int(cfg.seed), workers=True, verbose=False)
@@ -295,29 +293,37 @@ def _fit_and_test(cfg, tracker, checkpoint_dir: Path, resume_from: Path | None, 
     dm.setup("fit")
     model = build_model(cfg, dm)
 
-    info = {"config": OmegaConf.to_yaml(cfg, resolve=True), "run_id": tracker.run_id}
+    info = {"config": OmegaConf.to_yaml(cfg, resolve=True), "run_id": tracker.run_id if tracker else None}
     callbacks = build_callbacks(cfg, checkpoint_dir, info)
     t = cfg.trainer
     trainer = pl.Trainer(
         accelerator=t.accelerator,
         devices=t.devices,
-        strategy=t.strategy,
+        strategy=instantiate(t.strategy) if OmegaConf.is_dict(t.strategy) else t.strategy,  # e.g. trainer=ddp
+        num_nodes=int(t.get("num_nodes", 1)),
         precision=t.precision,
         max_epochs=int(t.max_epochs),
         limit_train_batches=t.limit_train_batches,
         callbacks=list(callbacks.values()),
-        logger=tracker.lightning_logger(),
+        logger=tracker.lightning_logger() if tracker else False,
         enable_progress_bar=bool(t.progress_bar),
         enable_model_summary=False,
         num_sanity_val_steps=0,
         log_every_n_steps=50,
+        use_distributed_sampler=False,  # the DataModule gives each DDP rank its share of every global batch
     )
     progress["trainer"] = trainer
+    if (trainer.global_rank == 0) != (tracker is not None):
+        raise RuntimeError(f"DDP rank {trainer.global_rank} disagrees with the launch environment (rank {launch_rank()})")
     device = trainer.strategy.root_device
+    if tracker is None:  # checkpoints (rank 0 writes them; the folder is rank 0's) and logging are rank 0's
+        trainer.fit(model, datamodule=dm, ckpt_path=resume_from)
+        return {}
     tracker.set_tags(
         {
             "sparse_backend": backend(device) if cfg.model.head in ("uniform", "mach") else "none",
             "device": device_name(device),
+            "world_size": trainer.world_size,
         }
     )
     trainer.fit(model, datamodule=dm, ckpt_path=resume_from)
