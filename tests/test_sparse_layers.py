@@ -8,7 +8,8 @@ import torch
 
 from xmc_repro.sparse import UniformSparseLinear, UnstructuredSparseLinear
 from xmc_repro.sparse import reference as ref
-from xmc_repro.sparse.rewire import redraw_sources, sample_uniform_sources
+from xmc_repro.sparse import rewire
+from xmc_repro.sparse.rewire import lowest_magnitude, redraw_sources, redraw_sources_, sample_uniform_sources
 
 DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.cuda, pytest.mark.skipif(
     not torch.cuda.is_available(), reason="no CUDA device")])]
@@ -127,6 +128,37 @@ def test_redraw_sources_exact_and_rejection_agree_on_invariants():
     redraw = torch.rand(idx.shape, generator=g) < 0.5
     new = redraw_sources(idx, redraw, 20, g)
     assert _distinct_per_label(new) and torch.equal(new[~redraw], idx[~redraw].long())
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32, torch.float64])
+@pytest.mark.parametrize("numel,fraction", [(1, 1.0), (17, 0.3), (4099, 0.1), (10_001, 0.9)])
+def test_lowest_magnitude_is_the_stable_sort_prefix(device, dtype, numel, fraction, monkeypatch):
+    monkeypatch.setattr(rewire, "_MAGNITUDE_SLICE", 1000)  # several slices, one of them ragged
+    g = _gen(numel)
+    weight = torch.randn(numel, generator=g, dtype=torch.float64).to(dtype)
+    pairs = 5 * (numel // 5)
+    weight[1:pairs:5] = weight[0:pairs:5].neg()  # ties in magnitude, across signs
+    weight[torch.randperm(numel, generator=g)[: numel // 7]] = 0.0
+    weight = weight.to(device)
+    expected = weight.abs().cpu().sort(stable=True).indices[: round(fraction * numel)].sort().values
+    got = lowest_magnitude(weight.view(1, -1) if numel % 2 else weight, fraction)
+    assert got.dtype == torch.int64 and got.device == weight.device
+    assert torch.equal(got.cpu(), expected)
+
+
+def test_grouped_redraw_matches_whole_tensor_and_keeps_invariants(monkeypatch):
+    idx = sample_uniform_sources(40, 3001, 9, _gen(3))
+    redraw = torch.rand(idx.shape, generator=_gen(4)) < 0.1
+    redraw[:, 1000:1500] = False  # labels without a redraw slot are left alone
+    whole = redraw_sources(idx, redraw, 40, _gen(5))
+    grouped = redraw_sources_(idx.clone(), redraw, 40, _gen(5))
+    assert grouped.dtype == torch.int32 and torch.equal(grouped.long(), whole)
+    monkeypatch.setattr(rewire, "_LABELS_PER_GROUP", 128)  # many groups, the last one ragged
+    small = redraw_sources_(idx.clone(), redraw, 40, _gen(5))
+    assert _distinct_per_label(small) and torch.equal(small[~redraw], idx[~redraw])
+    assert int(small.min()) >= 0 and int(small.max()) < 40
+    assert (small != idx)[redraw].float().mean() > 0.7  # redrawn slots mostly got a new source
 
 
 def _dense_unstructured(layer, weight):

@@ -119,6 +119,12 @@ class XMCClassifier(pl.LightningModule):
         for k in (1, 3, 5):
             self.log(f"val/p_at_{k}", float(result[f"p_at_{k}"]), prog_bar=k == 3, sync_dist=True)
 
+    def optimizer_step(self, *args, **kwargs):
+        super().optimizer_step(*args, **kwargs)
+        # Free the gradients now instead of at the next backward: the next forward, validation and
+        # rewiring then run without them (190 MB at Amazon-670K with a 32k intermediate layer).
+        self.zero_grad(set_to_none=True)
+
     def configure_optimizers(self):
         hp = self.hparams
         # Fused Adam on CUDA updates each parameter in one kernel, without the parameter-sized temporaries

@@ -9,7 +9,7 @@ from torch import nn
 
 from .checks import check_layer_sizes
 from .op import uniform_sparse_linear
-from .rewire import distinct_positions, lowest_magnitude, redraw_sources, sample_uniform_sources
+from .rewire import distinct_positions, lowest_magnitude, redraw_sources_, sample_uniform_sources
 
 
 
@@ -71,7 +71,7 @@ class UniformSparseLinear(nn.Module):
         if positions.numel():
             redraw = torch.zeros(self.indices.shape, dtype=torch.bool, device=self.indices.device)
             redraw.view(-1)[positions] = True
-            self.indices.copy_(redraw_sources(self.indices, redraw, self.in_features, generator))
+            redraw_sources_(self.indices, redraw, self.in_features, generator)
         return positions
 
     def extra_repr(self) -> str:

@@ -12,6 +12,12 @@ import torch
 _MAX_REJECTION_ROUNDS = 8
 # Temporary budget (elements) of the exact sampler: columns x in_features keys per chunk.
 _EXACT_ELEMENTS = 1 << 24
+# Labels rewired together, and weights scanned together when finding the lowest magnitudes: both keep
+# rewiring's temporaries to a few MB at 670k labels.
+_LABELS_PER_GROUP = 1 << 15
+_MAGNITUDE_SLICE = 1 << 22
+# Integer views with the same width as a float: for |w| >= 0 their order is the order of the magnitudes.
+_BITS = {2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
 def _draw(n: int, high: int, generator: torch.Generator | None, device) -> torch.Tensor:
@@ -96,6 +102,21 @@ def redraw_sources(indices: torch.Tensor, redraw: torch.Tensor, in_features: int
         rounds += 1
 
 
+def redraw_sources_(indices: torch.Tensor, redraw: torch.Tensor, in_features: int,
+                    generator: torch.Generator | None = None) -> torch.Tensor:
+    """``redraw_sources`` written into ``indices`` (any integer dtype), a group of labels at a time.
+
+    Only labels with a slot to redraw are touched, so the int64 copies and sort keys of
+    ``redraw_sources`` stay group-sized. Up to ``_LABELS_PER_GROUP`` such labels the draws are
+    exactly those of ``redraw_sources`` on the whole tensor.
+    """
+    labels = redraw.any(0).nonzero().squeeze(1)
+    for group in labels.split(_LABELS_PER_GROUP):
+        new = redraw_sources(indices[:, group], redraw[:, group], in_features, generator)
+        indices[:, group] = new.to(indices.dtype)
+    return indices
+
+
 def sample_uniform_sources(in_features: int, out_features: int, connectivity: int,
                            generator: torch.Generator | None = None) -> torch.Tensor:
     """(connectivity, out_features) int32: each label gets ``connectivity`` distinct random inputs."""
@@ -105,15 +126,45 @@ def sample_uniform_sources(in_features: int, out_features: int, connectivity: in
 
 
 def lowest_magnitude(weight: torch.Tensor, fraction: float) -> torch.Tensor:
-    """Sorted flat positions of the ``round(fraction * numel)`` smallest-|weight| entries (global)."""
+    """Sorted flat positions of the ``round(fraction * numel)`` smallest-|weight| entries (global).
+
+    Ties at the threshold go to the lowest positions. The threshold is found by bisection on the bit
+    pattern of |w| (ordered like the magnitudes), a slice of the weights at a time: no weight-sized
+    temporary. A top-k over all 21M weights of an Amazon-670K layer would hold |w| plus its outputs
+    (~110 MB) next to the parameters, gradients and Adam moments at the moment rewiring runs.
+    """
     if not 0.0 <= fraction <= 1.0:
         raise ValueError(f"rewire fraction={fraction} must lie in [0, 1]")
     flat = weight.detach().reshape(-1)
     count = int(round(fraction * flat.numel()))
     if count == 0:
         return torch.empty(0, dtype=torch.int64, device=weight.device)
-    _, positions = torch.topk(flat.abs(), count, largest=False, sorted=False)
-    return positions.sort().values
+    bits_dtype = _BITS[flat.element_size()]
+    slices = [(lo, flat[lo:lo + _MAGNITUDE_SLICE]) for lo in range(0, flat.numel(), _MAGNITUDE_SLICE)]
+
+    def magnitude_bits(part):
+        return part.abs().view(bits_dtype)
+
+    def at_most(threshold: int) -> int:
+        total = torch.zeros((), dtype=torch.int64, device=flat.device)
+        for _, part in slices:
+            total += (magnitude_bits(part) <= threshold).sum()
+        return int(total)
+
+    lo, hi = 0, torch.iinfo(bits_dtype).max
+    while lo < hi:  # smallest threshold with at least `count` magnitudes at or below it
+        mid = (lo + hi) // 2
+        if at_most(mid) >= count:
+            hi = mid
+        else:
+            lo = mid + 1
+    below, ties = [], []
+    for start, part in slices:
+        bits = magnitude_bits(part)
+        below.append((bits < lo).nonzero().squeeze(1) + start)
+        ties.append((bits == lo).nonzero().squeeze(1) + start)
+    below = torch.cat(below)
+    return torch.cat([below, torch.cat(ties)[:count - below.numel()]]).sort().values
 
 
 def distinct_positions(count: int, total: int, generator: torch.Generator | None = None,

@@ -1,0 +1,30 @@
+"""The LightningModule's training step as Lightning drives it."""
+
+from __future__ import annotations
+
+import lightning.pytorch as pl
+import torch
+
+from tests.test_data_module import TINY
+from xmc_repro.data import build_datamodule
+from xmc_repro.model import XMCClassifier
+
+
+class _GradientsAfterStep(pl.Callback):
+    def __init__(self):
+        self.live_gradients = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.live_gradients.append(sum(p.grad is not None for p in pl_module.parameters()))
+
+
+def test_gradients_are_freed_after_each_optimizer_step(tmp_path):
+    model = XMCClassifier(TINY["num_features"], TINY["num_labels"], head="uniform", connectivity=4, intermediate=32)
+    before = [p.detach().clone() for p in model.parameters()]
+    seen = _GradientsAfterStep()
+    trainer = pl.Trainer(max_steps=5, logger=False, enable_progress_bar=False, enable_model_summary=False,
+                         enable_checkpointing=False, num_sanity_val_steps=0, limit_val_batches=0,
+                         callbacks=[seen], default_root_dir=tmp_path)
+    trainer.fit(model, datamodule=build_datamodule(TINY, batch_size=16, seed=0))
+    assert seen.live_gradients == [0] * 5
+    assert all(not torch.equal(a, b.detach()) for a, b in zip(before, model.parameters()))  # every step applied
