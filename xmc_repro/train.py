@@ -330,7 +330,8 @@ def _fit_and_test(cfg, tracker, checkpoint_dir: Path, resume_from: Path | None, 
 
     best = callbacks["best"].best_model_path
     if best:  # restore the best weights, as the authors' early stopping does
-        state = torch.load(best, map_location=model.device, weights_only=False)["state_dict"]
+        # Via the host: the checkpoint also holds Adam's moments, which must not count as GPU memory.
+        state = torch.load(best, map_location="cpu", weights_only=False)["state_dict"]
         model.load_state_dict(state)
     model.to(device)
     inv_prop = model.val_metrics.inv_propensity
