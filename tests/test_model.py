@@ -1,11 +1,13 @@
-"""The LightningModule's training step as Lightning drives it."""
+"""The LightningModule's training step as Lightning drives it, and the checkpoint's finiteness check."""
 
 from __future__ import annotations
 
 import lightning.pytorch as pl
+import pytest
 import torch
 
 from tests.test_data_module import TINY
+from xmc_repro.checkpoints import all_finite
 from xmc_repro.data import build_datamodule
 from xmc_repro.model import XMCClassifier
 
@@ -28,3 +30,13 @@ def test_gradients_are_freed_after_each_optimizer_step(tmp_path):
     trainer.fit(model, datamodule=build_datamodule(TINY, batch_size=16, seed=0))
     assert seen.live_gradients == [0] * 5
     assert all(not torch.equal(a, b.detach()) for a, b in zip(before, model.parameters()))  # every step applied
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.float64])
+@pytest.mark.parametrize("bad", [None, float("nan"), float("inf"), -float("inf")])
+def test_all_finite_agrees_with_isfinite(dtype, bad):
+    values = torch.randn(1001, generator=torch.Generator().manual_seed(0)).to(dtype)
+    if bad is not None:
+        values[500] = bad
+    assert all_finite(values) == bool(torch.isfinite(values).all()) == (bad is None)
+    assert all_finite(torch.empty(0, dtype=dtype)) and all_finite(torch.arange(3))

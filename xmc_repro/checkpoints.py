@@ -69,6 +69,17 @@ def read(path: str | Path) -> dict:
     return section
 
 
+def all_finite(tensor: torch.Tensor) -> bool:
+    """No NaN or Inf in ``tensor``, without a tensor-sized temporary.
+
+    ``torch.isfinite`` builds |x| and three boolean masks: 3.4 GiB next to a 670k-label dense layer's 2 GiB.
+    Its minimum and maximum are NaN when any entry is, and infinite when an entry is.
+    """
+    if tensor.numel() == 0 or not tensor.is_floating_point():
+        return True
+    return bool(torch.isfinite(torch.stack(torch.aminmax(tensor.detach()))).all())
+
+
 class LastCheckpoint(Checkpoint):
     """Keeps `<dirpath>/last.ckpt` current: every `every_n_steps` optimizer steps and at every epoch end.
 
@@ -110,7 +121,7 @@ class LastCheckpoint(Checkpoint):
             self._step_plateau_schedulers(trainer)
 
     def _save(self, trainer, pl_module, at: str) -> None:
-        if not all(torch.isfinite(p).all() for p in pl_module.parameters()):
+        if not all(all_finite(p) for p in pl_module.parameters()):
             return  # keep the last good checkpoint; the non-finite loss check stops the run
         self._saving_at = at
         tmp = self.path.with_name(LAST + ".tmp")
