@@ -19,6 +19,7 @@ from omegaconf import OmegaConf
 
 from test_reliability_common import TINY, cli, copy_store, make_store, runs, start
 from xmc_repro import checkpoints
+from xmc_repro.errors import ConfigError
 
 # 40 steps per epoch, 3 epochs; the LR halves after every epoch (no epoch beats the last by 100 points),
 # so a resumed run that missed a plateau-scheduler step would train differently.
@@ -122,7 +123,7 @@ def test_sigterm_after_an_epoch_then_resume_equals_uninterrupted(tmp_path, store
 
 def test_resume_names_what_is_missing(tmp_path, monkeypatch):
     from xmc_repro.errors import ConfigError
-    from xmc_repro.train import resume_checkpoint
+    from xmc_repro.resume import resume_checkpoint
 
     monkeypatch.chdir(tmp_path)
     with pytest.raises(ConfigError, match=r"resume=0123abc: neither a checkpoint file nor a run with checkpoints/0123"):
@@ -151,7 +152,7 @@ def test_reopening_a_run(tmp_path, store):
 
 
 def test_resume_config_keeps_the_run_settings():
-    from xmc_repro.train import resume_config
+    from xmc_repro.resume import resume_config
 
     stored = OmegaConf.create({"model": {"head": "uniform", "connectivity": 8}, "trainer": {"max_epochs": 3, "lr": 0.1},
                                "logger": {"tracking_uri": "sqlite:///old.db"}, "resume": None})
@@ -164,3 +165,12 @@ def test_resume_config_keeps_the_run_settings():
     assert merged.new_section.x == 1
     with pytest.raises(Exception, match="model was"):
         resume_config(now, stored, explicit=["model"])
+
+
+def test_prepare_starts_new_runs_and_refuses_resume_in_a_sweep():
+    from xmc_repro.resume import prepare
+
+    fresh = OmegaConf.create({"resume": None, "seed": 0})
+    assert prepare(fresh, explicit=[], multirun=True) == (fresh, None, None)
+    with pytest.raises(ConfigError, match="continues one run: run it without -m"):
+        prepare(OmegaConf.create({"resume": "abc"}), explicit=["resume"], multirun=True)

@@ -3,7 +3,7 @@
 Once its MLflow run is open, a run always ends FINISHED or FAILED; a FAILED run carries the one-line reason
 as tag `error` (and the step it stopped at, `failed_at_step`). `checkpoints/<run_id>/last.ckpt` is kept
 current every epoch and every `trainer.checkpoint_every_n_steps` steps; `resume=<run id or .ckpt path>`
-continues the same run from it with the run's own settings (see `resume_config`).
+continues the same run from it with the run's own settings (see `xmc_repro.resume`).
 """
 
 from __future__ import annotations
@@ -23,18 +23,8 @@ from xmc_repro.distributed import launch_problem, launch_rank
 from xmc_repro.errors import ConfigError, UserError
 from xmc_repro.metrics import inverse_propensity
 from xmc_repro.model import NonFiniteLossError, XMCClassifier
+from xmc_repro.resume import CHECKPOINT_ROOT, prepare
 from xmc_repro.tracking import RunTracker, device_name, git_commit
-
-CHECKPOINT_ROOT = Path("checkpoints")
-# Settings a resumed run may change: none of them alters what is trained. Everything else comes from the run.
-RESUMABLE_SETTINGS = (
-    "trainer.max_epochs",
-    "trainer.progress_bar",
-    "trainer.num_workers",
-    "trainer.eval_batch_size",
-    "trainer.checkpoint_every_n_steps",
-)
-LIVE_SECTIONS = ("resume", "logger", "hydra")  # always taken from the command line
 
 
 def _number(cfg: DictConfig, key: str, kind=int, positive: bool = True):
@@ -69,80 +59,6 @@ def validate(cfg: DictConfig) -> None:
     problem = launch_problem(cfg.trainer, multirun=bool(sweep_tags()))
     if problem:
         raise ConfigError(problem)
-
-
-# --------------------------------------------------------------------------------------------- resume
-
-
-def explicit_settings() -> list[str]:
-    """Config keys given on this command line (`model=dense` gives `model`); none outside a Hydra app."""
-    try:
-        from hydra.core.hydra_config import HydraConfig
-
-        overrides = HydraConfig.get().overrides.task
-    except ValueError:
-        return []
-    return [o.split("=", 1)[0].lstrip("+~").split("@", 1)[0] for o in overrides]
-
-
-def resume_checkpoint(value) -> Path:
-    """The checkpoint named by `resume=`: a file path, or the run id of a run started in this directory."""
-    given = Path(str(value)).expanduser()
-    if given.is_file():
-        return given
-    by_run = CHECKPOINT_ROOT / str(value) / checkpoints.LAST
-    if by_run.is_file():
-        return by_run
-    raise ConfigError(
-        f"resume={value}: neither a checkpoint file nor a run with {by_run}; pass the run id from the directory "
-        "the run was started in, or the path of its last.ckpt"
-    )
-
-
-def resume_config(cfg: DictConfig, stored: DictConfig, explicit: list[str]) -> DictConfig:
-    """The run's stored config, with this command line's `logger`, `resume` and any RESUMABLE_SETTINGS.
-
-    A setting given explicitly that would change what the run trains is refused: a resumed run equals the
-    run it continues. Sections this code has and the run's config lacks come from the command line.
-    """
-    merged = stored.copy()
-    for key in explicit:
-        if key.split(".")[0] in LIVE_SECTIONS or key in RESUMABLE_SETTINGS:
-            continue
-        now, then = (OmegaConf.select(c, key, default=None) for c in (cfg, stored))
-        if now is not None and then is not None and _plain(now) != _plain(then):
-            raise ConfigError(
-                f"resume: {key} was {_short(then)} in the run and is {_short(now)} on this command line; a resumed "
-                f"run keeps its settings (only {', '.join(RESUMABLE_SETTINGS)} may change): drop {key}=..."
-            )
-    for key in RESUMABLE_SETTINGS:
-        if key in explicit:
-            OmegaConf.update(merged, key, OmegaConf.select(cfg, key), force_add=True)
-    for key in cfg:
-        if key in LIVE_SECTIONS or key not in merged:
-            merged[key] = _plain(cfg[key])
-    return merged
-
-
-def _plain(value):
-    return OmegaConf.to_container(value, resolve=True) if isinstance(value, DictConfig) else value
-
-
-def _short(value) -> str:
-    text = OmegaConf.to_yaml(value).strip() if isinstance(value, DictConfig) else repr(value)
-    return text if len(text) < 80 else text[:77] + "..."
-
-
-def prepare(cfg: DictConfig) -> tuple[DictConfig, Path | None, str | None]:
-    """(config to run, checkpoint to resume from, MLflow run id to continue); the last two None for a new run."""
-    if not cfg.get("resume"):
-        return cfg, None, None
-    if sweep_tags():
-        raise ConfigError(f"resume={cfg.resume} continues one run: run it without -m")
-    path = resume_checkpoint(cfg.resume)
-    saved = checkpoints.read(path)
-    merged = resume_config(cfg, OmegaConf.create(saved["config"]), explicit_settings())
-    return merged, path, saved["run_id"]
 
 
 def interruption(error: BaseException) -> str:
@@ -223,6 +139,17 @@ def build_callbacks(cfg: DictConfig, checkpoint_dir: Path, info: dict | None = N
     return callbacks
 
 
+def explicit_settings() -> list[str]:
+    """Config keys given on this command line (`model=dense` gives `model`); none outside a Hydra app."""
+    try:
+        from hydra.core.hydra_config import HydraConfig
+
+        overrides = HydraConfig.get().overrides.task
+    except ValueError:
+        return []
+    return [o.split("=", 1)[0].lstrip("+~").split("@", 1)[0] for o in overrides]
+
+
 def sweep_tags() -> dict[str, str]:
     """sweep_id and job number of a Hydra multirun job; nothing for a single run."""
     try:
@@ -254,7 +181,7 @@ def open_run(cfg: DictConfig, run_id: str | None) -> RunTracker:
 
 def run(cfg: DictConfig) -> dict:
     """Train and test one configuration (or continue one, `resume=`); returns the final metrics and run id."""
-    cfg, resume_from, run_id = prepare(cfg)
+    cfg, resume_from, run_id = prepare(cfg, explicit_settings(), multirun=bool(sweep_tags()))
     validate(cfg)
     if launch_rank() != 0:  # a further DDP rank: trains in step with rank 0, which alone records the run
         return _fit_and_test(cfg, None, CHECKPOINT_ROOT / "other-rank", resume_from, {})
