@@ -40,3 +40,19 @@ def test_all_finite_agrees_with_isfinite(dtype, bad):
         values[500] = bad
     assert all_finite(values) == bool(torch.isfinite(values).all()) == (bad is None)
     assert all_finite(torch.empty(0, dtype=dtype)) and all_finite(torch.arange(3))
+
+
+def test_summary_keeps_the_mlflow_ui_command_on_one_line(capsys):
+    from omegaconf import OmegaConf
+
+    from xmc_repro.__main__ import print_summary
+
+    ui = "mlflow ui --backend-store-uri sqlite:////a/rather/long/path/to/some/experiment/folder/mlruns.db"
+    results = {f"{s}/p_at_{k}": 1.0 for s in ("test", "train") for k in (1, 3, 5)}
+    results.update(peak_gpu_memory_gib=0.853, epochs=1, time_per_epoch_s=86.7, device="NVIDIA H200 [0]",
+                   run_id="0" * 32, ui=ui)
+    print_summary(OmegaConf.create({"dataset": {"name": "Tiny"}, "model": {"head": "uniform"}}), results)
+    lines = capsys.readouterr().out.splitlines()
+    assert f"MLflow run {'0' * 32}; browse with: {ui}" in lines
+    assert any(line.endswith("| device: NVIDIA H200 [0]") and line.startswith("peak GPU memory: 0.853 GiB")
+               for line in lines)

@@ -41,12 +41,15 @@ def print_summary(cfg: DictConfig, results: dict) -> None:
     console = Console()
     console.print(table)
     memory = results.get("peak_gpu_memory_gib")
+    # Not wrapped at the console width: the UI command must stay one line to copy.
     console.print(
         f"peak GPU memory: {f'{memory:.3f} GiB' if memory is not None else 'not applicable (CPU run)'}"
         f" | epochs: {results['epochs']} | seconds per epoch: {results['time_per_epoch_s']:.1f}"
-        f" | device: {results['device']}"
+        f" | device: {results['device']}",
+        soft_wrap=True, markup=False, highlight=False,
     )
-    console.print(f"MLflow run {results['run_id']}; browse with: {results['ui']}")
+    console.print(f"MLflow run {results['run_id']}; browse with: {results['ui']}",
+                  soft_wrap=True, markup=False, highlight=False)
 
 
 def _sweep_job() -> str | None:
