@@ -18,6 +18,7 @@ import hydra
 from omegaconf import DictConfig
 
 from xmc_repro.errors import UserError
+from xmc_repro.resources import resource_dir
 
 # Jobs of a sweep may run in other processes (joblib, submitit launchers): each failed job appends a line to
 # this file, which the sweep's own process reads at the end.
@@ -66,7 +67,7 @@ def _sweep_job() -> str | None:
     return f"#{hc.job.num} ({' '.join(hc.overrides.task) or 'defaults'})"
 
 
-@hydra.main(version_base="1.3", config_path="../conf", config_name="config")
+@hydra.main(version_base="1.3", config_path=str(resource_dir("conf")), config_name="config")
 def _task(cfg: DictConfig):
     from xmc_repro.train import failure_message, interruption, run
 

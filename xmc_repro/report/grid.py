@@ -14,8 +14,9 @@ import itertools
 from pathlib import Path
 
 from xmc_repro.report.identity import CONFIG_COLUMNS, config_key, configuration
+from xmc_repro.resources import resource_dir
 
-CONF_DIR = Path(__file__).resolve().parents[2] / "conf"
+CONF_DIR = resource_dir("conf")
 TABLES = ("table1", "table2", "table3", "table4", "table5")
 SCALES = ("paper", "smoke")
 

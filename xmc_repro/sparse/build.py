@@ -19,6 +19,8 @@ from pathlib import Path
 
 import torch
 
+from xmc_repro.resources import resource_dir
+
 SOURCES_CPU = ("uniform_sparse.cpp",)
 SOURCES_CUDA = ("uniform_sparse_cuda.cu",)
 CFLAGS = ["-O3", "-fopenmp"]
@@ -31,9 +33,9 @@ class BuildError(RuntimeError):
 
 
 def source_dir() -> Path:
-    """cuda_ext/ beside the package (env XMC_CUDA_EXT_DIR overrides, e.g. for an installed wheel)."""
+    """The kernel sources, cuda_ext/ (env XMC_CUDA_EXT_DIR overrides)."""
     env = os.environ.get("XMC_CUDA_EXT_DIR")
-    return Path(env) if env else Path(__file__).resolve().parents[2] / "cuda_ext"
+    return Path(env) if env else resource_dir("cuda_ext")
 
 
 def cache_root() -> Path:
