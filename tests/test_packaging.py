@@ -26,7 +26,7 @@ def test_wheel_runs_the_cli_from_anywhere(tmp_path):
                     str(tmp_path / "dist"), str(source)], check=True, cwd=tmp_path)
     wheel = next((tmp_path / "dist").glob("xmc_repro-*.whl"))
     names = zipfile.ZipFile(wheel).namelist()
-    for source in ("conf/config.yaml", "conf/dataset/amazon670k_slice.yaml", "cuda_ext/uniform_sparse_cuda.cu"):
+    for source in ("conf/config.yaml", "conf/dataset/amazon670k_slice.yaml", "cuda_ext/cuda/uniform_sparse_cuda.cu"):
         assert f"xmc_repro/_resources/{source}" in names
     site = tmp_path / "site"
     subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(site), str(wheel)],

@@ -6,6 +6,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 PROBE = ("import torch, warnings; warnings.simplefilter('always');"
          "from xmc_repro.sparse import backend, uniform_sparse_linear as f;"
@@ -44,3 +45,34 @@ def test_concurrent_first_use_shares_one_build(tmp_path):
         assert out.split()[-1] == "compiled-cpu"
     builds = list((tmp_path / "cache").glob("xmc_sparse_cpu-*"))
     assert len(builds) == 1 and (builds[0] / "ok").exists()
+
+
+def test_cache_key_names_the_gpu_architecture(monkeypatch):
+    """A home directory shared by machines with different GPUs keeps one CUDA library per architecture."""
+    from xmc_repro.sparse import build
+
+    src = build.source_dir()
+    monkeypatch.delenv("TORCH_CUDA_ARCH_LIST", raising=False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    keys = {}
+    for cap in ((8, 0), (9, 0)):
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda i=0, cap=cap: cap)
+        keys[cap] = (build._key("cuda", src), build._key("cpu", src))
+        assert build.cuda_archs() == f"{cap[0]}.{cap[1]}"
+    assert keys[(8, 0)][0] != keys[(9, 0)][0]  # CUDA variant: one build per GPU model
+    assert keys[(8, 0)][1] == keys[(9, 0)][1]  # the CPU variant does not depend on the GPU
+    monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", "8.0;9.0")  # an explicit list is what gets compiled
+    assert build.cuda_archs() == "8.0;9.0" and build._key("cuda", src) not in (keys[(8, 0)][0], keys[(9, 0)][0])
+
+
+def test_cache_key_covers_headers(tmp_path, monkeypatch):
+    import shutil
+
+    from xmc_repro.sparse import build
+
+    copy = tmp_path / "cuda_ext"
+    shutil.copytree(build.source_dir(), copy)
+    before = build._key("cpu", copy)
+    (copy / "checks.h").write_text((copy / "checks.h").read_text() + "\n// changed\n")
+    assert build._key("cpu", copy) != before

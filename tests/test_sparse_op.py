@@ -1,30 +1,34 @@
-"""The uniform sparse op: compiled kernels vs the pure-torch reference vs a dense matmul."""
+"""The uniform sparse op: compiled kernels vs the pure-torch reference vs a dense matmul; its registration."""
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
+from conftest import DEVICES, generator
 
 from xmc_repro.errors import ConfigError
 from xmc_repro.sparse import SparseInputError, UniformSparseLinear, backend, uniform_sparse_linear
+from xmc_repro.sparse import op as sparse_op
 from xmc_repro.sparse import reference as ref
 from xmc_repro.sparse.op import ensure_registered
 
-DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.cuda, pytest.mark.skipif(
-    not torch.cuda.is_available(), reason="no CUDA device")])]
 ensure_registered()  # compiles on first use; defines torch.ops.xmc_sparse
 OPS = torch.ops.xmc_sparse
+ROOT = Path(__file__).resolve().parents[1]
 # (batch, in_features, labels, connectivity): odd sizes on purpose
 SHAPES = [(1, 1, 1, 1), (1, 7, 33, 1), (3, 50, 37, 5), (5, 300, 1000, 17), (32, 257, 129, 32),
           (37, 64, 70, 8), (70, 128, 200, 4), (7, 20000, 150, 3), (3, 70000, 40, 2)]
+SHAPE_IDS = ["x".join(map(str, s)) for s in SHAPES]
 
 
 def _problem(batch, in_features, labels, connectivity, device, dtype=torch.float32, seed=0):
-    g = torch.Generator().manual_seed(seed)
+    g = generator(seed)
     x = torch.randn(batch, in_features, generator=g, dtype=dtype)
     idx = torch.randint(in_features, (connectivity, labels), generator=g, dtype=torch.int32)
     w = torch.randn(connectivity, labels, generator=g, dtype=dtype)
@@ -33,9 +37,23 @@ def _problem(batch, in_features, labels, connectivity, device, dtype=torch.float
 
 
 def _sparse_grad(batch, labels, density, device, dtype=torch.float32, seed=1):
-    g = torch.Generator().manual_seed(seed)
+    g = generator(seed)
     grad = torch.randn(batch, labels, generator=g, dtype=dtype)
     return (grad * (torch.rand(batch, labels, generator=g) < density)).to(device)
+
+
+def sample_inputs(shape, device):
+    """(op, args) pairs covering one shape: forward with and without bias, with and without gradients
+    wanted (each subset of x / weight / bias), and both backward ops on a mostly zero gradient."""
+    batch, in_features, labels, _ = shape
+    x, idx, w, b = _problem(*shape, device)
+    grad = _sparse_grad(batch, labels, 0.3, device)
+    samples = [(OPS.forward, (x, idx, w, None)), (OPS.forward, (x, idx, w, b))]
+    for wants in ((True, True, True), (True, False, False), (False, True, False), (False, False, True)):
+        args = [t.clone().requires_grad_(want) for t, want in zip((x, w, b), wants)]
+        samples.append((OPS.forward, (args[0], idx, args[1], args[2])))
+    samples += [(OPS.backward_input, (grad, idx, w, in_features)), (OPS.backward_weight, (grad, x, idx))]
+    return samples
 
 
 def test_compiled_backend_loads_when_a_compiler_exists():
@@ -60,8 +78,20 @@ def test_reference_matches_dense(device):
     torch.testing.assert_close(ref.backward_weight(grad, x, idx), expect)
 
 
+def test_hand_computed_example():
+    # 2 labels over 3 inputs: label 0 = 2*x0 - x2, label 1 = 0.5*x1 + 3*x1 (a repeated source) + bias
+    x = torch.tensor([[1.0, 2.0, 3.0], [-1.0, 0.0, 4.0]])
+    idx = torch.tensor([[0, 1], [2, 1]], dtype=torch.int32)
+    w = torch.tensor([[2.0, 0.5], [-1.0, 3.0]])
+    b = torch.tensor([0.0, 1.0])
+    torch.testing.assert_close(OPS.forward(x, idx, w, b), torch.tensor([[-1.0, 8.0], [-6.0, 1.0]]))
+    g = torch.tensor([[1.0, 0.0], [0.0, 2.0]])
+    torch.testing.assert_close(OPS.backward_input(g, idx, w, 3), torch.tensor([[2.0, 0.0, -1.0], [0.0, 7.0, 0.0]]))
+    torch.testing.assert_close(OPS.backward_weight(g, x, idx), torch.tensor([[1.0, 0.0], [3.0, 0.0]]))
+
+
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("shape", SHAPES, ids=SHAPE_IDS)
 @pytest.mark.parametrize("density", [1.0, 0.01])
 def test_kernels_match_reference(device, shape, density):
     batch, in_features, labels, conn = shape
@@ -119,14 +149,98 @@ def test_gradcheck_float64(device, shape):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_opcheck(device):
-    x, idx, w, b = _problem(5, 20, 45, 3, device)
-    grad = _sparse_grad(5, 45, 0.5, device)
-    xg, wg, bg = (t.clone().requires_grad_() for t in (x, w, b))
-    torch.library.opcheck(OPS.forward.default, (xg, idx, wg, bg))
-    torch.library.opcheck(OPS.forward.default, (x, idx, w, None))
-    torch.library.opcheck(OPS.backward_input.default, (grad, idx, w, 20))
-    torch.library.opcheck(OPS.backward_weight.default, (grad, x, idx))
+@pytest.mark.parametrize("shape", SHAPES, ids=SHAPE_IDS)
+def test_opcheck(device, shape):
+    """Schema, fake kernel, autograd registration and dynamic-shape tracing agree with the kernels."""
+    for op, args in sample_inputs(shape, device):
+        torch.library.opcheck(op.default, args)
+
+
+def test_backward_saves_only_what_the_wanted_gradients_read():
+    x, idx, w, b = _problem(4, 10, 12, 3, "cpu")
+    for wants, saved in (((True, False), {"indices", "weight"}), ((False, True), {"x", "indices"}),
+                         ((True, True), {"x", "indices", "weight"})):
+        xs, ws = (t.clone().requires_grad_(want) for t, want in zip((x, w), wants))
+        out = OPS.forward(xs, idx, ws, b)
+        names = {"x": xs, "indices": idx, "weight": ws}
+        kept = {n for n, t in names.items() for s in out.grad_fn.saved_tensors if s is not None and s is t}
+        assert kept == saved, wants
+    out = OPS.forward(x, idx, w, b.clone().requires_grad_())  # bias only: nothing to keep
+    assert all(s is None for s in out.grad_fn.saved_tensors)
+
+
+@pytest.mark.parametrize("call, message", [
+    (lambda x, i, w, b: OPS.forward(x, i, w.double(), b), "x dtype"),
+    (lambda x, i, w, b: OPS.forward(x, i.long(), w, b), "int32"),
+    (lambda x, i, w, b: OPS.forward(x, i, w[:, :5], b), "weight shape"),
+    (lambda x, i, w, b: OPS.forward(x, i, w, b[:5]), "bias must have shape"),
+    (lambda x, i, w, b: OPS.backward_input(x[:, :5], i, w, 10), "out_features columns"),
+    (lambda x, i, w, b: OPS.backward_weight(torch.empty(3, 12, device="meta"), x, i), "batch size"),
+])
+def test_fake_kernels_check_their_inputs(call, message):
+    x, idx, w, b = (t.to("meta") for t in _problem(4, 10, 12, 3, "cpu"))
+    assert OPS.forward(x, idx, w, b).shape == (4, 12)  # meta tensors run the fake kernels
+    with pytest.raises(RuntimeError, match=message):
+        call(x, idx, w, b)
+
+
+def test_schema_is_written_once():
+    """cuda_ext/schema.h is the one definition: TORCH_LIBRARY reads it, Python parses it, nobody repeats it."""
+    schemas = sparse_op.schemas()
+    assert [s.split("(")[0] for s in schemas] == ["forward", "backward_input", "backward_weight"]
+    for s in schemas:  # the text is already the canonical form, so comparing strings compares schemas
+        assert str(torch._C.parse_schema(f"xmc_sparse::{s}")) == f"xmc_sparse::{s}"
+    sources = [p for p in (ROOT / "cuda_ext").rglob("*") if p.suffix in (".cpp", ".cu", ".h")]
+    defining = [p.name for p in sources if re.search(r"TORCH_LIBRARY\(|\.def\(", p.read_text())]
+    assert defining == ["ops.cpp"]
+    for p in [*sources, *(ROOT / "xmc_repro").rglob("*.py")]:
+        if p.name != "schema.h":
+            assert not any(s in p.read_text() for s in schemas), p
+
+
+def _registered_schemas():
+    return sorted(s for s in map(str, torch._C._jit_get_all_schemas()) if s.startswith("xmc_sparse::"))
+
+
+def test_cpp_and_python_register_identical_schemas():
+    """The compiled library's TORCH_LIBRARY (this process) and the Python definition of the reference
+    backend (a fresh process) register the same ops with the same schemas."""
+    if backend("cpu") != "compiled-cpu":
+        pytest.skip("no compiled library in this process")
+    code = ("import torch; from xmc_repro.sparse import backend; backend('cpu');"
+            "print(*sorted(s for s in map(str, torch._C._jit_get_all_schemas()) if s.startswith('xmc_sparse::')),"
+            "sep='\\n')")
+    env = dict(os.environ, XMC_SPARSE_BACKEND="reference")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.splitlines() == _registered_schemas() == sorted(f"xmc_sparse::{s}" for s in sparse_op.schemas())
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_autocast_bf16_activations_match_float32(device):
+    """bf16-mixed training: an intermediate Linear yields bf16 activations; the op computes in float32
+    (the weight's dtype). Forward and all gradients agree with a float32 run to bf16 precision."""
+    x, idx, w, b = _problem(9, 48, 130, 6, device)
+    g = generator(2)
+    lin_w = (torch.randn(48, 20, generator=g) / 20**0.5).to(device)
+    inp = torch.randn(9, 20, generator=g).to(device)
+    grad = _sparse_grad(9, 130, 0.3, device)
+    results = []
+    for autocast in (False, True):
+        leaves = [t.clone().requires_grad_() for t in (inp, lin_w, w, b)]
+        with torch.autocast(device, dtype=torch.bfloat16, enabled=autocast):
+            hidden = torch.nn.functional.linear(leaves[0], leaves[1])
+            assert hidden.dtype == (torch.bfloat16 if autocast else torch.float32)
+            out = uniform_sparse_linear(hidden, idx, leaves[2], leaves[3])
+            direct = OPS.forward(hidden, idx, leaves[2], leaves[3])  # the registered autocast rule
+        assert out.dtype == direct.dtype == torch.float32
+        torch.testing.assert_close(direct, out)
+        out.backward(grad)
+        results.append([out.detach(), *(t.grad for t in leaves)])
+    for want, got in zip(*results):
+        assert got.dtype == want.dtype
+        scale = want.abs().max()
+        torch.testing.assert_close(got / scale, want / scale, atol=2e-2, rtol=0)
 
 
 def test_torch_compile_traces_the_op():

@@ -2,9 +2,11 @@
 
 Why compile on first use: a pip build would run in an isolated environment with its own torch,
 and the extension must match the torch that imports it. The cache directory is keyed by the
-torch/CUDA/Python versions and a hash of the sources, so a changed kernel or a new torch builds
-afresh. Several processes (a sweep's jobs) may start together: an exclusive file lock makes one of
-them compile while the others wait and then load the finished library. A failed build is
+torch/CUDA/Python versions, the GPU architectures compiled for (CUDA variant) and a hash of every
+source and header, so a changed kernel, a new torch or another GPU model builds afresh -- a home
+directory shared by machines with different GPUs must not load a library built for another card.
+Several processes (a sweep's jobs) may start together: an exclusive file lock makes one of them
+compile while the others wait and then load the finished library. A failed build is
 remembered (``failed.log``) so later processes do not retry it, and the caller falls back.
 """
 from __future__ import annotations
@@ -21,8 +23,9 @@ import torch
 
 from xmc_repro.resources import resource_dir
 
-SOURCES_CPU = ("uniform_sparse.cpp",)
-SOURCES_CUDA = ("uniform_sparse_cuda.cu",)
+SOURCES_CPU = ("ops.cpp", "cpu/uniform_sparse_cpu.cpp")
+SOURCES_CUDA = ("cuda/uniform_sparse_cuda.cu",)
+HEADERS = ("schema.h", "checks.h")
 CFLAGS = ["-O3", "-fopenmp"]
 LDFLAGS = ["-fopenmp"]
 CUDA_CFLAGS = ["-O3"]
@@ -54,14 +57,27 @@ def cuda_buildable() -> bool:
     return CUDA_HOME is not None and Path(CUDA_HOME, "bin", "nvcc").exists()
 
 
-def _key(variant: str, files: list[Path]) -> str:
+def cuda_archs() -> str:
+    """The GPU architectures a CUDA build targets: TORCH_CUDA_ARCH_LIST, else those of the visible GPUs
+    (what torch.utils.cpp_extension compiles for when the variable is unset)."""
+    env = os.environ.get("TORCH_CUDA_ARCH_LIST", "").strip()
+    if env:
+        return env
+    if not torch.cuda.is_available():
+        return "none visible"
+    caps = {torch.cuda.get_device_capability(i) for i in range(torch.cuda.device_count())}
+    return ";".join(f"{major}.{minor}" for major, minor in sorted(caps))
+
+
+def _key(variant: str, src: Path) -> str:
     h = hashlib.sha256()
+    archs = cuda_archs() if variant == "cuda" else ""  # the CPU library does not depend on the GPU
     for part in (variant, torch.__version__, str(torch.version.cuda), sys.version.split()[0],
-                 " ".join(CFLAGS + LDFLAGS + CUDA_CFLAGS), os.environ.get("TORCH_CUDA_ARCH_LIST", "")):
+                 " ".join(CFLAGS + LDFLAGS + CUDA_CFLAGS), archs):
         h.update(part.encode())
-    for f in files:
-        h.update(f.name.encode())
-        h.update(f.read_bytes())
+    for name in SOURCES_CPU + SOURCES_CUDA + HEADERS:
+        h.update(name.encode())
+        h.update((src / name).read_bytes())
     return h.hexdigest()[:16]
 
 
@@ -84,7 +100,7 @@ def _exclusive(lock_path: Path):
 def _build_variant(variant: str, verbose: bool) -> Path:
     src = source_dir()
     files = [src / f for f in SOURCES_CPU + (SOURCES_CUDA if variant == "cuda" else ())]
-    missing = [str(f) for f in files if not f.exists()]
+    missing = [str(src / f) for f in SOURCES_CPU + SOURCES_CUDA + HEADERS if not (src / f).exists()]
     if missing:
         raise BuildError(f"kernel sources not found: {', '.join(missing)} (set XMC_CUDA_EXT_DIR to cuda_ext/)")
     name = f"xmc_sparse_{variant}"
@@ -94,7 +110,7 @@ def _build_variant(variant: str, verbose: bool) -> Path:
     except OSError:
         root = Path(tempfile.gettempdir()) / "xmc_repro_sparse_ops"
         root.mkdir(parents=True, exist_ok=True)
-    build_dir = root / f"{name}-{_key(variant, files)}"
+    build_dir = root / f"{name}-{_key(variant, src)}"
     build_dir.mkdir(exist_ok=True)
     library = build_dir / f"{name}.so"
     done, failed = build_dir / "ok", build_dir / "failed.log"

@@ -1,13 +1,16 @@
 """The uniform sparse op ``xmc_sparse::forward`` and its two backward ops, with autograd.
 
-The schema lives in cuda_ext/uniform_sparse.cpp (TORCH_LIBRARY). When the compiled library is
-unavailable (no compiler, or ``XMC_SPARSE_BACKEND=reference``) the same schema is defined here and
-backed by the pure-torch reference, so callers, ``torch.compile`` and ``opcheck`` see one op either
-way. A device type without compiled kernels (CUDA when nvcc is missing) also gets the reference.
+The schema is written once, in cuda_ext/schema.h: the compiled library defines the ops from it
+(cuda_ext/ops.cpp), and without that library (no compiler, or ``XMC_SPARSE_BACKEND=reference``)
+the same strings are read here and the ops defined from Python, backed by the pure-torch
+reference. Callers, ``torch.compile`` and ``opcheck`` see one op either way. A device type without
+compiled kernels (CUDA when nvcc is missing) also gets the reference. Fake kernels, autograd and
+autocast are registered here for both backends.
 """
 from __future__ import annotations
 
 import os
+import re
 import threading
 import warnings
 
@@ -17,50 +20,97 @@ from . import build, reference
 from .checks import SparseInputError, check_op_inputs
 
 NAMESPACE = "xmc_sparse"
-SCHEMAS = (
-    "forward(Tensor x, Tensor indices, Tensor weight, Tensor? bias) -> Tensor",
-    "backward_input(Tensor grad_out, Tensor indices, Tensor weight, SymInt in_features) -> Tensor",
-    "backward_weight(Tensor grad_out, Tensor x, Tensor indices) -> Tensor",
-)
 _REFERENCE_KERNELS = {
     "forward": reference.forward,
     "backward_input": reference.backward_input,
     "backward_weight": reference.backward_weight,
 }
 _DISPATCH_KEYS = {"cpu": "CPU", "cuda": "CUDA"}
+_FLOATS = (torch.float32, torch.float64)
 
 _lock = threading.Lock()
 _backends: dict[str, str] | None = None
 _libraries: list[torch.library.Library] = []  # Python registrations live as long as these objects
 
 
+def schemas() -> list[str]:
+    """The ops' schemas as cuda_ext/schema.h writes them (one quoted string per op)."""
+    text = (build.source_dir() / "schema.h").read_text()
+    found = re.findall(r'^\s*"(\w+\(.*\) -> .*)",?\s*$', text, flags=re.MULTILINE)
+    if not found:
+        raise build.BuildError(f"no op schema found in {build.source_dir() / 'schema.h'}")
+    return found
+
+
+# ---------------------------------------------------------------- fake kernels (shapes only)
+# They run under torch.compile and opcheck with no data: check what the C++ checks can check
+# from metadata, so a traced graph fails where the real kernel would.
+
+
+def _check_structure(indices, weight):
+    torch._check(indices.dim() == 2, lambda: "indices must be 2-D (connectivity, out_features)")
+    torch._check(indices.dtype == torch.int32, lambda: f"indices must be int32, got {indices.dtype}")
+    torch._check(weight.shape == indices.shape, lambda: "weight shape must equal indices shape")
+    torch._check(weight.dtype in _FLOATS, lambda: f"weight must be float32/float64, got {weight.dtype}")
+    torch._check(weight.device == indices.device, lambda: "weight and indices must be on one device")
+
+
+def _check_dense(t, like, name):
+    torch._check(t.dim() == 2, lambda: f"{name} must be 2-D")
+    torch._check(t.dtype == like.dtype, lambda: f"{name} dtype {t.dtype} must equal {like.dtype}")
+    torch._check(t.device == like.device, lambda: f"{name} must be on the device of weight")
+
+
 def _fake_forward(x, indices, weight, bias):
+    _check_structure(indices, weight)
+    _check_dense(x, weight, "x")
+    if bias is not None:
+        torch._check(bias.shape == (indices.shape[1],), lambda: "bias must have shape (out_features,)")
+        torch._check(bias.dtype == weight.dtype, lambda: "bias dtype must equal weight dtype")
     return x.new_empty(x.shape[0], indices.shape[1])
 
 
 def _fake_backward_input(grad_out, indices, weight, in_features):
+    _check_structure(indices, weight)
+    _check_dense(grad_out, weight, "grad_out")
+    torch._check(grad_out.shape[1] == indices.shape[1], lambda: "grad_out must have out_features columns")
     return grad_out.new_empty(grad_out.shape[0], in_features)
 
 
 def _fake_backward_weight(grad_out, x, indices):
+    torch._check(indices.dim() == 2 and indices.dtype == torch.int32, lambda: "indices must be 2-D int32")
+    torch._check(grad_out.dtype in _FLOATS, lambda: f"grad_out must be float32/float64, got {grad_out.dtype}")
+    _check_dense(x, grad_out, "x")
+    torch._check(grad_out.dim() == 2 and grad_out.shape[1] == indices.shape[1],
+                 lambda: "grad_out must have out_features columns")
+    torch._check(x.shape[0] == grad_out.shape[0], lambda: "x and grad_out must share the batch size")
     return grad_out.new_empty(indices.shape)
+
+
+# ---------------------------------------------------------------- autograd
 
 
 def _setup_context(ctx, inputs, output):
     x, indices, weight, bias = inputs
-    ctx.save_for_backward(x, indices, weight)
+    needs_x, needs_w = ctx.needs_input_grad[0], ctx.needs_input_grad[2]
+    # grad_x needs the weights, grad_w needs the inputs: save only what a needed gradient reads.
+    ctx.save_for_backward(x if needs_w else None, indices if needs_x or needs_w else None,
+                          weight if needs_x else None)
     ctx.in_features = x.shape[1]
-    ctx.has_bias = bias is not None
 
 
 def _backward(ctx, grad):
     x, indices, weight = ctx.saved_tensors
     grad = grad.contiguous()  # e.g. the expanded ones of out.sum().backward()
+    needs_x, needs_w, needs_b = (ctx.needs_input_grad[i] for i in (0, 2, 3))
     ops = torch.ops.xmc_sparse
-    grad_x = ops.backward_input(grad, indices, weight, ctx.in_features) if ctx.needs_input_grad[0] else None
-    grad_w = ops.backward_weight(grad, x, indices) if ctx.needs_input_grad[2] else None
-    grad_b = grad.sum(0) if ctx.has_bias and ctx.needs_input_grad[3] else None
+    grad_x = ops.backward_input(grad, indices, weight, ctx.in_features) if needs_x else None
+    grad_w = ops.backward_weight(grad, x, indices) if needs_w else None
+    grad_b = grad.sum(0) if needs_b else None
     return grad_x, None, grad_w, grad_b
+
+
+# ---------------------------------------------------------------- registration
 
 
 def _register() -> dict[str, str]:
@@ -75,11 +125,11 @@ def _register() -> dict[str, str]:
         if errors:
             warnings.warn("xmc_repro.sparse: compiled kernels unavailable for some devices, using the pure-torch "
                           "reference there (slower): " + "; ".join(errors), RuntimeWarning, stacklevel=3)
-    if compiled:
+    if compiled:  # the library defined the ops (TORCH_LIBRARY)
         lib = torch.library.Library(NAMESPACE, "IMPL")
     else:
         lib = torch.library.Library(NAMESPACE, "DEF")
-        for schema in SCHEMAS:
+        for schema in schemas():
             lib.define(schema)
     _libraries.append(lib)
     backends = {}
@@ -90,10 +140,15 @@ def _register() -> dict[str, str]:
         for name, fn in _REFERENCE_KERNELS.items():
             lib.impl(name, fn, key)
         backends[device] = "reference"
-    torch.library.register_fake(f"{NAMESPACE}::forward", _fake_forward)
-    torch.library.register_fake(f"{NAMESPACE}::backward_input", _fake_backward_input)
-    torch.library.register_fake(f"{NAMESPACE}::backward_weight", _fake_backward_weight)
-    torch.library.register_autograd(f"{NAMESPACE}::forward", _backward, setup_context=_setup_context)
+    fakes = {"forward": _fake_forward, "backward_input": _fake_backward_input,
+             "backward_weight": _fake_backward_weight}
+    for name, fake in fakes.items():
+        torch.library.register_fake(f"{NAMESPACE}::{name}", fake, lib=lib)
+        # Under autocast (bf16-mixed training) the activations arrive in bf16/fp16; the kernels compute
+        # in float32, like the float32 weights of mixed precision (float32 accumulation).
+        for device in _DISPATCH_KEYS:
+            torch.library.register_autocast(f"{NAMESPACE}::{name}", device, torch.float32, lib=lib)
+    torch.library.register_autograd(f"{NAMESPACE}::forward", _backward, setup_context=_setup_context, lib=lib)
     return backends
 
 
@@ -120,12 +175,15 @@ def uniform_sparse_linear(x: torch.Tensor, indices: torch.Tensor, weight: torch.
     """``out[b, j] = sum_k weight[k, j] * x[b, indices[k, j]] + bias[j]``, differentiable in x, weight, bias.
 
     x (batch, in_features) float32; indices (connectivity, out_features) int32; weight like indices;
-    bias (out_features,) or None. ``check_indices=True`` (or env ``XMC_SPARSE_CHECK_INDICES=1``)
-    verifies that every index lies in [0, in_features) -- out-of-range indices are undefined behaviour
-    in the compiled kernels.
+    bias (out_features,) or None. Under ``torch.autocast`` x may be bf16/fp16: it is computed in the
+    weight's dtype and the scores come out in that dtype. ``check_indices=True`` (or env
+    ``XMC_SPARSE_CHECK_INDICES=1``) verifies that every index lies in [0, in_features) --
+    out-of-range indices are undefined behaviour in the compiled kernels.
     """
     if check_indices is None:
         check_indices = os.environ.get("XMC_SPARSE_CHECK_INDICES", "0") not in ("", "0")
+    if x.dtype != weight.dtype and x.is_floating_point() and torch.is_autocast_enabled(x.device.type):
+        x = x.to(weight.dtype)  # differentiable: x's gradient comes back in its own dtype
     check_op_inputs(x, indices, weight, bias, check_indices)
     ensure_registered()
     return torch.ops.xmc_sparse.forward(x.contiguous(), indices, weight, bias)

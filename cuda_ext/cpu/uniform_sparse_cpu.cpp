@@ -1,6 +1,6 @@
-// Uniform (fixed fan-in) sparse linear layer: op schema and CPU kernels.
+// CPU kernels of the uniform (fixed fan-in) sparse op; the schema is defined in ../ops.cpp.
 //   out[b, j] = sum_k weight[k, j] * x[b, indices[k, j]] + bias[j]
-// indices/weight are (connectivity, out_features); see README.md for the layout reasoning.
+// indices/weight are (connectivity, out_features); see ../README.md for the layout reasoning.
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -8,7 +8,7 @@
 #include <algorithm>
 #include <vector>
 
-#include "uniform_sparse.h"
+#include "../checks.h"
 
 namespace xmc_sparse {
 namespace {
@@ -183,12 +183,6 @@ at::Tensor backward_weight_cpu(const at::Tensor& grad_out, const at::Tensor& x, 
 }
 
 }  // namespace
-
-TORCH_LIBRARY(xmc_sparse, m) {
-  m.def("forward(Tensor x, Tensor indices, Tensor weight, Tensor? bias) -> Tensor");
-  m.def("backward_input(Tensor grad_out, Tensor indices, Tensor weight, SymInt in_features) -> Tensor");
-  m.def("backward_weight(Tensor grad_out, Tensor x, Tensor indices) -> Tensor");
-}
 
 TORCH_LIBRARY_IMPL(xmc_sparse, CPU, m) {
   m.impl("forward", &forward_cpu);

@@ -1,4 +1,4 @@
-// CUDA kernels of the uniform sparse op; the layout choices are explained in README.md.
+// CUDA kernels of the uniform sparse op; the layout choices are explained in ../README.md.
 //   out[b, j] = sum_k weight[k, j] * x[b, indices[k, j]] + bias[j]
 // One thread per label j. Consecutive threads take consecutive labels, so every load of
 // indices[k, j], weight[k, j], grad_out[b, j] and every store of out[b, j] / grad_w[k, j] is
@@ -10,7 +10,7 @@
 #include <c10/cuda/CUDAStream.h>
 #include <torch/library.h>
 
-#include "uniform_sparse.h"
+#include "../checks.h"
 
 namespace xmc_sparse {
 namespace {

@@ -1,4 +1,4 @@
-// Shared argument checks of the uniform sparse op (CPU and CUDA kernels).
+// Argument checks shared by the CPU and CUDA kernels of the uniform sparse op.
 // The Python wrapper gives friendlier messages; these guard direct torch.ops calls.
 #pragma once
 #include <ATen/core/Tensor.h>  // not ATen/ATen.h: halves the compile time
