@@ -114,6 +114,8 @@ def _build_variant(variant: str, verbose: bool) -> Path:
     build_dir.mkdir(exist_ok=True)
     library = build_dir / f"{name}.so"
     done, failed = build_dir / "ok", build_dir / "failed.log"
+    if not (done.exists() or failed.exists()):  # the first use pauses ~20 s: say why
+        print(f"compiling the sparse kernels ({variant}), once for this torch: ~20 s ...", file=sys.stderr, flush=True)
     with _exclusive(build_dir / ".xmc_lock"):
         if done.exists():
             torch.ops.load_library(str(library))
