@@ -49,20 +49,31 @@ def test_forward_gives_one_score_per_meta_label():
     assert head(torch.randn(5, 12)).shape == (5, 64)
 
 
-def test_decode_equals_mean_of_each_labels_bucket_scores():
+@pytest.mark.parametrize("decode", ["probability", "score"])
+def test_decode_equals_mean_of_each_labels_bucket_probabilities_or_scores(decode):
+    """The MACH estimator: a label's score is the mean over the R hash functions of its bucket's probability."""
     g = torch.Generator().manual_seed(0)
-    head = MachHead(8, num_labels=230, num_hashes=5, num_buckets=17, seed=3)
+    head = MachHead(8, num_labels=230, num_hashes=5, num_buckets=17, seed=3, decode=decode)
     meta = torch.randn(6, 5 * 17, generator=g, requires_grad=True)
     decoded = head.decode(meta)
+    bucket = meta.detach().double()
+    if decode == "probability":
+        bucket = 1.0 / (1.0 + torch.exp(-bucket))
     expected = torch.zeros(6, 230, dtype=torch.float64)
     for j in range(230):
         for r in range(5):
-            expected[:, j] += meta.detach()[:, int(head.indices[r, j])].double() / 5
+            expected[:, j] += bucket[:, (r * 17) + int(hash_labels(230, 5, 17, seed=3)[r, j])] / 5
     torch.testing.assert_close(decoded.double(), expected, rtol=1e-5, atol=1e-6)
-    # the gradient reaches the meta-scores: each bucket collects 1/R per label hashed into it, per row
+    # the gradient reaches the meta-scores: each bucket collects 1/R (times the sigmoid's slope) per label
     decoded.sum().backward()
-    per_bucket = torch.bincount(head.indices.flatten().long(), minlength=85).float() / 5
-    torch.testing.assert_close(meta.grad, per_bucket.expand(6, -1))
+    per_bucket = torch.bincount(head.indices.flatten().long(), minlength=85).double() / 5
+    slope = bucket * (1 - bucket) if decode == "probability" else torch.ones_like(bucket)
+    torch.testing.assert_close(meta.grad.double(), per_bucket * slope, rtol=1e-5, atol=1e-6)
+
+
+def test_unknown_decode_is_one_line():
+    with pytest.raises(ConfigError, match="model.mach.decode='mean'"):
+        MachHead(8, num_labels=10, num_hashes=2, num_buckets=4, decode="mean")
 
 
 def test_meta_labels_equal_direct_hashing():

@@ -26,8 +26,9 @@ def _distinct_per_label(indices):
 
 @pytest.mark.parametrize("in_features,out_features,conn", [(1, 5, 1), (8, 100, 8), (10, 333, 7),
                                                             (1000, 2000, 32), (64, 4097, 33)])
-def test_uniform_init_distinct_sources_in_range(in_features, out_features, conn):
-    layer = UniformSparseLinear(in_features, out_features, conn, generator=_gen(0))
+def test_uniform_fan_in_init_distinct_sources_in_range(in_features, out_features, conn):
+    layer = UniformSparseLinear(in_features, out_features, conn, generator=_gen(0), init="fan_in",
+                                distinct_sources=True)
     assert layer.indices.dtype == torch.int32 and layer.indices.shape == (conn, out_features)
     assert layer.weight.shape == (conn, out_features) and layer.bias.shape == (out_features,)
     assert 0 <= int(layer.indices.min()) and int(layer.indices.max()) < in_features
@@ -39,6 +40,32 @@ def test_uniform_init_distinct_sources_in_range(in_features, out_features, conn)
         assert float(layer.weight.detach().abs().max()) > 0.9 * bound
     assert [n for n, _ in layer.named_buffers()] == ["indices"]
     assert sorted(n for n, _ in layer.named_parameters()) == ["bias", "weight"]
+
+
+@pytest.mark.parametrize("layer_type,conn,labels", [(UniformSparseLinear, 32, 20011), (UnstructuredSparseLinear, 5, 3001)])
+def test_authors_init_is_glorot_uniform_over_the_flat_weights_with_zero_bias(layer_type, conn, labels):
+    """Keras glorot_uniform on a 1-D variable of n weights: fan_in = fan_out = n, bound sqrt(6 / 2n)."""
+    layer = layer_type(64, labels, conn, generator=_gen(0))
+    w = layer.weight.detach().double().view(-1)
+    n = conn * labels
+    bound = math.sqrt(3.0 / n)
+    assert float(w.abs().max()) <= bound and float(w.abs().max()) > 0.99 * bound
+    # U(-b, b): mean 0, variance b^2 / 3 = 1 / n, each within 4 standard errors
+    assert abs(float(w.mean())) < 4 * bound / math.sqrt(3 * n)
+    assert abs(float(w.var()) * n - 1.0) < 4 * math.sqrt(0.8 / n)
+    assert torch.count_nonzero(layer.bias) == 0
+    with pytest.raises(ValueError, match="init='keras'"):
+        layer_type(64, labels, conn, init="keras")
+
+
+def test_authors_sources_are_drawn_with_replacement():
+    # 8 draws from 8 inputs: all distinct with probability 8!/8^8 = 0.2 %; over 1000 labels repeats must show,
+    # and the share of labels without a repeat must be near that probability.
+    idx = UniformSparseLinear(8, 1000, 8, generator=_gen(0)).indices
+    assert 0 <= int(idx.min()) and int(idx.max()) < 8
+    distinct_labels = sum(_distinct_per_label(idx[:, j:j + 1]) for j in range(1000))
+    assert distinct_labels <= 10
+    assert _distinct_per_label(UniformSparseLinear(8, 1000, 8, generator=_gen(0), distinct_sources=True).indices)
 
 
 def test_uniform_init_is_uniform_over_sources_and_deterministic():
@@ -82,11 +109,32 @@ def test_uniform_layer_state_dict_roundtrip():
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("in_features,conn", [(1000, 16), (12, 10), (7, 7)])
-def test_uniform_rewire(device, in_features, conn):
+def test_uniform_rewire_authors(device, in_features, conn):
+    """The authors' rewiring: slots strictly below the threshold, sources drawn with replacement."""
     labels = 500
     layer = UniformSparseLinear(in_features, labels, conn, generator=_gen(2)).to(device)
     before_idx, before_w = layer.indices.clone(), layer.weight.detach().clone()
     pos = layer.rewire(0.1, _gen(7))
+    magnitudes = before_w.abs().view(-1)
+    threshold = magnitudes.sort().values[round(0.1 * conn * labels) - 1]
+    assert torch.equal(pos, (magnitudes < threshold).nonzero().squeeze(1))
+    assert pos.numel() == round(0.1 * conn * labels) - 1  # the initial magnitudes are distinct
+    assert torch.equal(layer.weight.detach(), before_w)
+    changed = (layer.indices != before_idx).view(-1).nonzero().squeeze(1)
+    assert bool(torch.isin(changed, pos).all())
+    assert changed.numel() >= 0.7 * (1 - 1 / in_features) * pos.numel()
+    assert 0 <= int(layer.indices.min()) and int(layer.indices.max()) < in_features
+    again = UniformSparseLinear(in_features, labels, conn, generator=_gen(2)).to(device)
+    assert torch.equal(again.rewire(0.1, _gen(7)), pos) and torch.equal(again.indices, layer.indices)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("in_features,conn", [(1000, 16), (12, 10), (7, 7)])
+def test_uniform_rewire_exact_count_distinct(device, in_features, conn):
+    labels = 500
+    layer = UniformSparseLinear(in_features, labels, conn, generator=_gen(2), distinct_sources=True).to(device)
+    before_idx, before_w = layer.indices.clone(), layer.weight.detach().clone()
+    pos = layer.rewire(0.1, _gen(7), exact_count=True)
     assert pos.dtype == torch.int64 and pos.device == layer.weight.device
     assert pos.numel() == round(0.1 * conn * labels)
     # exactly the lowest-|w| slots were chosen
@@ -103,8 +151,8 @@ def test_uniform_rewire(device, in_features, conn):
     assert _distinct_per_label(layer.indices)
     assert 0 <= int(layer.indices.min()) and int(layer.indices.max()) < in_features
     # same generator state => same result
-    again = UniformSparseLinear(in_features, labels, conn, generator=_gen(2)).to(device)
-    assert torch.equal(again.rewire(0.1, _gen(7)), pos)
+    again = UniformSparseLinear(in_features, labels, conn, generator=_gen(2), distinct_sources=True).to(device)
+    assert torch.equal(again.rewire(0.1, _gen(7), exact_count=True), pos)
     assert torch.equal(again.indices, layer.indices)
     assert layer.rewire(0.0, _gen(7)).numel() == 0
     with pytest.raises(ValueError, match="fraction"):
@@ -123,7 +171,7 @@ def test_rewire_same_on_cpu_and_cuda():
 
 def test_redraw_sources_exact_and_rejection_agree_on_invariants():
     g = _gen(11)
-    idx = sample_uniform_sources(20, 3000, 12, g)  # 12 > 20/2: exact path
+    idx = sample_uniform_sources(20, 3000, 12, g, distinct=True)  # 12 > 20/2: exact path
     assert _distinct_per_label(idx)
     redraw = torch.rand(idx.shape, generator=g) < 0.5
     new = redraw_sources(idx, redraw, 20, g)
@@ -141,14 +189,20 @@ def test_lowest_magnitude_is_the_stable_sort_prefix(device, dtype, numel, fracti
     weight[1:pairs:5] = weight[0:pairs:5].neg()  # ties in magnitude, across signs
     weight[torch.randperm(numel, generator=g)[: numel // 7]] = 0.0
     weight = weight.to(device)
-    expected = weight.abs().cpu().sort(stable=True).indices[: round(fraction * numel)].sort().values
-    got = lowest_magnitude(weight.view(1, -1) if numel % 2 else weight, fraction)
+    magnitudes = weight.abs().cpu()
+    count = round(fraction * numel)
+    expected = magnitudes.sort(stable=True).indices[:count].sort().values
+    shaped = weight.view(1, -1) if numel % 2 else weight
+    got = lowest_magnitude(shaped, fraction, exact_count=True)
     assert got.dtype == torch.int64 and got.device == weight.device
     assert torch.equal(got.cpu(), expected)
+    # the authors' selection: strictly below the count-th smallest magnitude
+    strictly_below = (magnitudes < magnitudes.sort().values[count - 1]).nonzero().squeeze(1)
+    assert torch.equal(lowest_magnitude(shaped, fraction).cpu(), strictly_below)
 
 
 def test_grouped_redraw_matches_whole_tensor_and_keeps_invariants(monkeypatch):
-    idx = sample_uniform_sources(40, 3001, 9, _gen(3))
+    idx = sample_uniform_sources(40, 3001, 9, _gen(3), distinct=True)
     redraw = torch.rand(idx.shape, generator=_gen(4)) < 0.1
     redraw[:, 1000:1500] = False  # labels without a redraw slot are left alone
     whole = redraw_sources(idx, redraw, 40, _gen(5))
@@ -188,7 +242,7 @@ def test_unstructured_layer(device):
         torch.testing.assert_close(layer.weight.grad, w.grad)
         torch.testing.assert_close(layer.bias.grad, b.grad)
         before = layer.indices.clone()
-        pos = layer.rewire(0.25, _gen(step))
+        pos = layer.rewire(0.25, _gen(step), exact_count=True)
         assert pos.numel() == 100
         changed = (layer.indices != before).any(0).nonzero().squeeze(1)
         assert bool(torch.isin(changed, pos).all())
@@ -201,6 +255,6 @@ def test_unstructured_rewire_deterministic_and_dense_case():
     a = UnstructuredSparseLinear(6, 10, 5, generator=_gen(1))  # 50 of 60 positions: exact sampling
     b = UnstructuredSparseLinear(6, 10, 5, generator=_gen(1))
     assert torch.equal(a.indices, b.indices)
-    assert torch.equal(a.rewire(0.3, _gen(2)), b.rewire(0.3, _gen(2)))
+    assert torch.equal(a.rewire(0.3, _gen(2), exact_count=True), b.rewire(0.3, _gen(2), exact_count=True))
     assert torch.equal(a.indices, b.indices)
     assert (a.indices[0] * 6 + a.indices[1]).unique().numel() == 50

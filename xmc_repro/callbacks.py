@@ -10,6 +10,9 @@ import torch
 from xmc_repro.distributed import assert_identical_across_ranks
 
 
+SCHEDULES = ("authors", "multiples")
+
+
 class Rewiring(pl.Callback):
     """Prune-and-regrow (SET) for every layer with a `rewire` method.
 
@@ -17,18 +20,32 @@ class Rewiring(pl.Callback):
     sparse weights with the smallest magnitude get new random sources. As in the authors' code the weight value
     is kept and Adam's moments at the rewired slots are zeroed. The generator is seeded once and checkpointed,
     so a resumed run and every DDP rank draw the same connections.
+
+    `schedule="authors"` rewires after optimizer steps 1, N+1, 2N+1, ... (their `iterations % N == 1`);
+    `"multiples"` after steps N, 2N, ....  `exact_count`: see `xmc_repro.sparse.rewire.lowest_magnitude`.
     """
 
-    def __init__(self, fraction: float, every_n_steps: int | None = None, every_epoch: bool = False, seed: int = 0):
+    def __init__(self, fraction: float, every_n_steps: int | None = None, every_epoch: bool = False, seed: int = 0,
+                 schedule: str = "authors", exact_count: bool = False):
+        if schedule not in SCHEDULES:
+            raise ValueError(f"rewiring schedule {schedule!r} is unknown; choose one of {', '.join(SCHEDULES)}")
         self.fraction = fraction
         self.every_n_steps = every_n_steps
         self.every_epoch = every_epoch
+        self.schedule = schedule
+        self.exact_count = exact_count
         self.generator = torch.Generator().manual_seed(seed)
         self.rewirings = 0
 
+    def due(self, step: int) -> bool:
+        """Whether rewiring follows optimizer step `step` (1 = the first step)."""
+        n = self.every_n_steps
+        if not n or step <= 0:
+            return False
+        return (step - 1) % n == 0 if self.schedule == "authors" else step % n == 0
+
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        step = trainer.global_step
-        if self.every_n_steps and step > 0 and step % self.every_n_steps == 0:
+        if self.due(trainer.global_step):
             self.rewire(trainer, pl_module)
 
     def on_train_epoch_start(self, trainer, pl_module):
@@ -41,7 +58,7 @@ class Rewiring(pl.Callback):
             return
         optimizer = trainer.optimizers[0] if trainer.optimizers else None
         for layer in pl_module.sparse_layers():
-            slots = layer.rewire(self.fraction, self.generator)
+            slots = layer.rewire(self.fraction, self.generator, self.exact_count)
             state = optimizer.state.get(layer.weight, {}) if optimizer is not None else {}
             for key in ("exp_avg", "exp_avg_sq"):
                 if key in state:

@@ -2,10 +2,11 @@
 
 `num_hashes` independent universal hash functions map each of the `num_labels` labels into `num_buckets`
 buckets. One dense layer predicts all `num_hashes * num_buckets` meta-scores (the r meta-classifiers side by
-side); training targets are the hashed labels. A label's score is the mean of its `num_hashes` bucket scores,
-which is exactly a uniformly sparse layer with connectivity `num_hashes`, fixed connections
-`indices[r, j] = r * num_buckets + h_r(j)` and fixed weights `1 / num_hashes` — so decoding runs through
-`xmc_repro.sparse.uniform_sparse_linear` and never materialises a (labels x buckets) matrix.
+side); training targets are the hashed labels. A label's score is the mean over the hash functions of its
+buckets' probabilities (sigmoid of the meta-scores), the MACH estimator; `decode="score"` averages the raw
+meta-scores instead. Either mean is exactly a uniformly sparse layer with connectivity `num_hashes`, fixed
+connections `indices[r, j] = r * num_buckets + h_r(j)` and fixed weights `1 / num_hashes` — so decoding runs
+through `xmc_repro.sparse.uniform_sparse_linear` and never materialises a (labels x buckets) matrix.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from xmc_repro.sparse import uniform_sparse_linear
 # A Mersenne prime above any label count: h(j) = ((a j + b) mod P) mod buckets is a universal family,
 # and a * j < 2^62 stays exact in int64.
 _PRIME = 2**31 - 1
+DECODINGS = ("probability", "score")
 
 
 def hash_labels(num_labels: int, num_hashes: int, num_buckets: int, seed: int = 0) -> torch.Tensor:
@@ -38,8 +40,12 @@ class MachHead(nn.Module):
     The decode connectivity and weights are buffers: they move with the module but are never trained.
     """
 
-    def __init__(self, in_features: int, num_labels: int, num_hashes: int, num_buckets: int, seed: int = 0):
+    def __init__(self, in_features: int, num_labels: int, num_hashes: int, num_buckets: int, seed: int = 0,
+                 decode: str = "probability"):
         super().__init__()
+        if decode not in DECODINGS:
+            raise ConfigError(f"model.mach.decode={decode!r} is unknown; choose one of {', '.join(DECODINGS)}")
+        self.decoding = decode
         for name, value in (("num_hashes", num_hashes), ("num_buckets", num_buckets)):
             if int(value) <= 0:
                 raise ConfigError(f"model.mach.{name}={value!r} must be a positive integer, e.g. model.mach.{name}=8")
@@ -65,7 +71,9 @@ class MachHead(nn.Module):
         return self.meta(h)
 
     def decode(self, meta_scores: torch.Tensor) -> torch.Tensor:
-        """Label scores: the mean of each label's bucket scores over the hash functions."""
+        """Label scores: the mean over the hash functions of each label's bucket probabilities (or scores)."""
+        if self.decoding == "probability":
+            meta_scores = torch.sigmoid(meta_scores)
         return uniform_sparse_linear(meta_scores, self.indices, self.weight)
 
     def meta_labels(self, label_ptr: torch.Tensor, label_idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -86,4 +94,5 @@ class MachHead(nn.Module):
         return meta_ptr, keys % self.num_meta
 
     def extra_repr(self) -> str:
-        return f"num_labels={self.num_labels}, num_hashes={self.num_hashes}, num_buckets={self.num_buckets}"
+        return (f"num_labels={self.num_labels}, num_hashes={self.num_hashes}, num_buckets={self.num_buckets}, "
+                f"decode={self.decoding}")

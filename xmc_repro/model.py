@@ -23,20 +23,42 @@ def build_head(head: str, in_features: int, num_labels: int, model_cfg) -> nn.Mo
         return nn.Linear(in_features, num_labels)
     if head == "bottleneck":
         size = _positive(model_cfg.get("bottleneck"), "model.bottleneck")
-        # Linear low-rank factorisation, as the authors' 64-unit bottleneck rows: no activation in between.
+        # The authors' bottleneck: Dense(size, relu) -> Dense(labels); `linear` drops the ReLU and the bias.
+        if model_cfg.get("bottleneck_activation", "relu") == "relu":
+            return nn.Sequential(nn.Linear(in_features, size), nn.ReLU(), nn.Linear(size, num_labels))
         return nn.Sequential(nn.Linear(in_features, size, bias=False), nn.Linear(size, num_labels))
-    if head in ("uniform", "unstructured"):
-        from xmc_repro.sparse import UniformSparseLinear, UnstructuredSparseLinear
+    init = model_cfg.get("init", "authors")
+    if head == "uniform":
+        from xmc_repro.sparse import UniformSparseLinear
 
         connectivity = _positive(model_cfg.get("connectivity"), "model.connectivity")
-        layer = UniformSparseLinear if head == "uniform" else UnstructuredSparseLinear
-        return layer(in_features, num_labels, connectivity)
+        return UniformSparseLinear(in_features, num_labels, connectivity, init=init,
+                                   distinct_sources=bool(model_cfg.get("distinct_sources", False)))
+    if head == "unstructured":
+        from xmc_repro.sparse import UnstructuredSparseLinear
+
+        connectivity = _positive(model_cfg.get("connectivity"), "model.connectivity")
+        return UnstructuredSparseLinear(in_features, num_labels, connectivity, init=init)
     if head == "mach":
         from xmc_repro.mach import MachHead
 
         mach = model_cfg.get("mach") or {}
-        return MachHead(in_features, num_labels, int(mach["num_hashes"]), int(mach["num_buckets"]))
+        return MachHead(in_features, num_labels, int(mach["num_hashes"]), int(mach["num_buckets"]),
+                        decode=mach.get("decode", "probability"))
     raise ConfigError(f"model.head={head!r} is unknown; choose one of {', '.join(HEADS)} (e.g. model=uniform)")
+
+
+@torch.no_grad()
+def init_dense_like_keras_(module: nn.Module) -> None:
+    """Keras' Dense defaults, as in the authors' models: glorot_uniform kernels, zero biases.
+
+    torch's nn.Linear default (U(+-1/sqrt(fan_in)) for weights and bias) is the `fan_in` setting.
+    """
+    for layer in module.modules():
+        if isinstance(layer, nn.Linear):
+            nn.init.xavier_uniform_(layer.weight)
+            if layer.bias is not None:
+                layer.bias.zero_()
 
 
 def _positive(value, setting: str) -> int:
@@ -61,9 +83,13 @@ class XMCClassifier(pl.LightningModule):
         intermediate: int | None = None,
         bottleneck: int | None = None,
         mach: dict | None = None,
+        init: str = "authors",
+        distinct_sources: bool = False,
+        bottleneck_activation: str = "relu",
         dropout: float = 0.1,
         loss: str = "squared_hinge",
         lr: float = 1e-3,
+        adam_eps: float = 1e-7,
         lr_factor: float = 0.5,
         lr_patience: int = 2,
         lr_threshold: float = 1e-3,
@@ -78,8 +104,11 @@ class XMCClassifier(pl.LightningModule):
             width = _positive(intermediate, "model.intermediate")
             layers += [nn.Linear(num_features, width), nn.ReLU()]
         self.encoder = nn.Sequential(*layers)
-        model_cfg = {"connectivity": connectivity, "bottleneck": bottleneck, "mach": mach}
+        model_cfg = {"connectivity": connectivity, "bottleneck": bottleneck, "mach": mach, "init": init,
+                     "distinct_sources": distinct_sources, "bottleneck_activation": bottleneck_activation}
         self.head = build_head(head, width, num_labels, model_cfg)
+        if init == "authors":
+            init_dense_like_keras_(self)
         self.loss_fn = build_loss(loss)
         self.val_metrics = XMCMetrics(num_labels, ks=(1, 3, 5), inv_propensity=inv_propensity)
 
@@ -129,7 +158,8 @@ class XMCClassifier(pl.LightningModule):
         hp = self.hparams
         # Fused Adam on CUDA updates each parameter in one kernel, without the parameter-sized temporaries
         # of the multi-tensor path: at 670k labels those are a sizeable part of the peak memory.
-        optimizer = torch.optim.Adam(self.parameters(), lr=hp.lr, fused=self.device.type == "cuda" or None)
+        optimizer = torch.optim.Adam(self.parameters(), lr=hp.lr, eps=hp.adam_eps,
+                                     fused=self.device.type == "cuda" or None)
         # The authors' thresholds are in P@3 as a fraction; our metrics are in percent.
         scheduler = torch.optim.lr_scheduler.ReduceLROnPlateau(
             optimizer,

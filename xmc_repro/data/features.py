@@ -67,6 +67,24 @@ def normalize_rows(x: sp.csr_matrix, how: str) -> sp.csr_matrix:
     return sp.csr_matrix(sp.diags((1.0 / norms).astype(np.float32)) @ x, dtype=np.float32)
 
 
+NORMALIZATIONS = ("tfidf", "l2", "none")
+
+
+def inverse_document_frequency(train: sp.csr_matrix) -> np.ndarray:
+    """Smoothed idf of every feature over the training rows: ln((1 + N) / (1 + df)) + 1 (float32).
+
+    A feature absent from training gets the largest weight, ln(1 + N) + 1, as an unseen word would.
+    """
+    df = np.bincount(train.indices[train.data != 0], minlength=train.shape[1])
+    return (np.log((1.0 + train.shape[0]) / (1.0 + df)) + 1.0).astype(np.float32)
+
+
+def tfidf_rows(x: sp.csr_matrix, idf: np.ndarray) -> sp.csr_matrix:
+    """Term counts times idf, each row then scaled to unit L2 norm: how the Extreme Classification Repository
+    builds its bag-of-words features."""
+    return normalize_rows(sp.csr_matrix(x @ sp.diags(idf), dtype=np.float32), "l2")
+
+
 def dense_rows(features, rows: np.ndarray) -> np.ndarray:
     """float32 (len(rows), dim) C-contiguous block: a gather from a dense (or memory-mapped) array or a CSR matrix."""
     if sp.issparse(features):

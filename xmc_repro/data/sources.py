@@ -19,7 +19,8 @@ from pathlib import Path
 import numpy as np
 import scipy.sparse as sp
 
-from xmc_repro.data.features import load_npy_features, normalize_rows
+from xmc_repro.data.features import (NORMALIZATIONS, inverse_document_frequency, load_npy_features,
+                                     normalize_rows, tfidf_rows)
 from xmc_repro.data.labels import LabelCSR
 from xmc_repro.data.synthetic import SyntheticModel, SyntheticSpec
 from xmc_repro.data.xc_format import read_labels, read_xc
@@ -104,8 +105,8 @@ def _xc(cfg) -> tuple[Split, Split]:
         if not cfg.get(key):
             raise ConfigError(f"dataset.{key} is not set; pass dataset.train_file=PATH dataset.test_file=PATH")
     normalize = cfg.get("normalize", "l2")
-    if normalize not in ("l2", "none"):
-        raise ConfigError(f"dataset.normalize={normalize!r} must be 'l2' or 'none'")
+    if normalize not in NORMALIZATIONS:
+        raise ConfigError(f"dataset.normalize={normalize!r} is unknown; choose one of {', '.join(NORMALIZATIONS)}")
     root = _data_dir(cfg)
     paths = [root / cfg["train_file"], root / cfg["test_file"]]
     missing = [str(p) for p in paths if not p.is_file()]
@@ -116,6 +117,9 @@ def _xc(cfg) -> tuple[Split, Split]:
         raise DataError(f"dataset {cfg.get('name', 'xc')}: missing {', '.join(missing)}; {hint}")
     train, test = (read_xc(p) for p in paths)
     _check_pair(train.labels, test.labels, train.num_features, test.num_features, *paths)
+    if normalize == "tfidf":  # idf from the training split only: nothing is learnt from the test points
+        idf = inverse_document_frequency(train.features)
+        return tuple(Split(tfidf_rows(d.features, idf), d.labels, str(d.path)) for d in (train, test))
     return tuple(
         Split(normalize_rows(d.features, normalize), d.labels, str(d.path)) for d in (train, test)
     )

@@ -9,8 +9,10 @@ from torch import nn
 
 from .checks import check_layer_sizes
 from .op import uniform_sparse_linear
-from .rewire import distinct_positions, lowest_magnitude, redraw_sources_, sample_uniform_sources
+from .rewire import (distinct_positions, lowest_magnitude, redraw_sources_, redraw_with_replacement_,
+                     sample_uniform_sources)
 
+INITS = ("authors", "fan_in")
 
 
 def _csr(crow, col, values, shape):
@@ -19,40 +21,57 @@ def _csr(crow, col, values, shape):
         return torch.sparse_csr_tensor(crow, col, values, shape, check_invariants=False)
 
 
-def _init_fan_in(weight: torch.Tensor, bias: torch.Tensor | None, fan_in: int,
-                 generator: torch.Generator | None) -> None:
-    # The bound nn.Linear's default init gives for this fan-in: U(-1/sqrt(fan_in), 1/sqrt(fan_in)).
-    bound = 1.0 / math.sqrt(fan_in)
-    with torch.no_grad():
-        weight.copy_(torch.rand(weight.shape, generator=generator, dtype=weight.dtype) * 2 * bound - bound)
+def _uniform_(tensor: torch.Tensor, bound: float, generator: torch.Generator | None) -> None:
+    tensor.copy_(torch.rand(tensor.shape, generator=generator, dtype=tensor.dtype) * 2 * bound - bound)
+
+
+@torch.no_grad()
+def init_sparse_(weight: torch.Tensor, bias: torch.Tensor | None, init: str, fan_in: int,
+                 generator: torch.Generator | None = None) -> None:
+    """Initial weights and bias of a sparse layer.
+
+    ``authors``: Keras' ``glorot_uniform`` on the flat vector of all connection weights, as the authors'
+    layer stores them (fan-in = fan-out = numel, bound sqrt(3 / numel): 3.7e-4 at 32 x 670,091), bias zero.
+    ``fan_in``: U(+-1/sqrt(fan_in)) for weights and bias, the bound ``nn.Linear`` uses for this fan-in, which
+    keeps the initial score variance independent of the number of labels.
+    """
+    if init not in INITS:
+        raise ValueError(f"init={init!r} is unknown; choose one of {', '.join(INITS)}")
+    if init == "authors":
+        _uniform_(weight, math.sqrt(3.0 / weight.numel()), generator)
         if bias is not None:
-            bias.copy_(torch.rand(bias.shape, generator=generator, dtype=bias.dtype) * 2 * bound - bound)
+            bias.zero_()
+        return
+    bound = 1.0 / math.sqrt(fan_in)
+    _uniform_(weight, bound, generator)
+    if bias is not None:
+        _uniform_(bias, bound, generator)
 
 
 class UniformSparseLinear(nn.Module):
-    """Each output (label) reads exactly ``connectivity`` distinct inputs.
+    """Each output (label) reads exactly ``connectivity`` inputs.
 
     Parameters: ``weight`` (connectivity, out_features), ``bias`` (out_features,); buffer
     ``indices`` (connectivity, out_features) int32 -- the layout of the paper's Algorithm 1,
     which makes one warp's loads of a connection slot coalesced over consecutive labels.
 
-    Initialisation: weights and bias ~ U(-1/sqrt(c), 1/sqrt(c)) with c = connectivity, i.e. the
-    bound ``nn.Linear`` uses with fan-in = connectivity. Each output sums c inputs, so scaling by
-    the true fan-in keeps the initial score variance equal to that of a dense layer; scaling by
-    in_features instead would shrink the initial scores by sqrt(in_features / c).
-    Initial sources are distinct per label, sampled without replacement (vectorised rejection of
-    duplicates, exact sampling when connectivity > in_features / 2).
+    Defaults follow the authors' layer: ``init="authors"`` (see ``init_sparse_``) and sources drawn
+    independently per slot, initially and at every rewiring, so a label may read an input twice.
+    ``distinct_sources=True`` keeps each label's sources distinct instead (without-replacement sampling:
+    vectorised rejection of duplicates, exact sampling when connectivity > in_features / 2).
     """
 
     def __init__(self, in_features: int, out_features: int, connectivity: int, bias: bool = True,
-                 generator: torch.Generator | None = None):
+                 generator: torch.Generator | None = None, init: str = "authors", distinct_sources: bool = False):
         super().__init__()
         check_layer_sizes(in_features, out_features, connectivity)
         self.in_features, self.out_features, self.connectivity = in_features, out_features, connectivity
-        self.register_buffer("indices", sample_uniform_sources(in_features, out_features, connectivity, generator))
+        self.distinct_sources = distinct_sources
+        indices = sample_uniform_sources(in_features, out_features, connectivity, generator, distinct_sources)
+        self.register_buffer("indices", indices)
         self.weight = nn.Parameter(torch.empty(connectivity, out_features))
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
-        _init_fan_in(self.weight, self.bias, connectivity, generator)
+        init_sparse_(self.weight, self.bias, init, connectivity, generator)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]
@@ -60,18 +79,23 @@ class UniformSparseLinear(nn.Module):
         return out.reshape(*lead, self.out_features)
 
     @torch.no_grad()
-    def rewire(self, fraction: float, generator: torch.Generator | None = None) -> torch.Tensor:
+    def rewire(self, fraction: float, generator: torch.Generator | None = None,
+               exact_count: bool = False) -> torch.Tensor:
         """Give the globally lowest-|weight| ``fraction`` of slots new random sources (SET).
 
-        Weight values are kept; each label keeps ``connectivity`` distinct sources. Returns the
-        sorted flat positions into ``self.weight.view(-1)`` that were rewired, on the weight's
-        device, so the caller can zero the optimizer's moments there.
+        Weight values are kept; each label keeps ``connectivity`` slots (distinct sources if
+        ``distinct_sources``). ``exact_count``: see ``lowest_magnitude``. Returns the sorted flat positions
+        into ``self.weight.view(-1)`` that were rewired, on the weight's device, so the caller can zero the
+        optimizer's moments there.
         """
-        positions = lowest_magnitude(self.weight, fraction)
+        positions = lowest_magnitude(self.weight, fraction, exact_count)
         if positions.numel():
             redraw = torch.zeros(self.indices.shape, dtype=torch.bool, device=self.indices.device)
             redraw.view(-1)[positions] = True
-            redraw_sources_(self.indices, redraw, self.in_features, generator)
+            if self.distinct_sources:
+                redraw_sources_(self.indices, redraw, self.in_features, generator)
+            else:
+                redraw_with_replacement_(self.indices, redraw, self.in_features, generator)
         return positions
 
     def extra_repr(self) -> str:
@@ -138,12 +162,13 @@ class UnstructuredSparseLinear(nn.Module):
 
     Parameters: ``weight`` (nnz,) values, ``bias``; buffer ``indices`` (2, nnz) int64 = (label, input)
     per slot. Runs on torch CSR tensors (cuSPARSE on GPU) with a hand-written backward that never
-    forms a dense (out, in) gradient. Same initialisation as ``UniformSparseLinear`` (fan-in =
-    connectivity, the average number of inputs per label).
+    forms a dense (out, in) gradient. Initialisation as ``UniformSparseLinear`` (for ``fan_in``: the
+    average number of inputs per label). Positions are always distinct (the authors' layer draws them with
+    replacement; a CSR matrix with repeated entries is not something torch's sparse kernels promise to sum).
     """
 
     def __init__(self, in_features: int, out_features: int, connectivity: int, bias: bool = True,
-                 generator: torch.Generator | None = None):
+                 generator: torch.Generator | None = None, init: str = "authors"):
         super().__init__()
         check_layer_sizes(in_features, out_features, connectivity)
         self.in_features, self.out_features, self.connectivity = in_features, out_features, connectivity
@@ -152,7 +177,7 @@ class UnstructuredSparseLinear(nn.Module):
         self.register_buffer("indices", torch.stack([flat // in_features, flat % in_features]))
         self.weight = nn.Parameter(torch.empty(nnz))
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
-        _init_fan_in(self.weight, self.bias, connectivity, generator)
+        init_sparse_(self.weight, self.bias, init, connectivity, generator)
         self._structure: _Structure | None = None
 
     def _get_structure(self) -> _Structure:
@@ -174,11 +199,12 @@ class UnstructuredSparseLinear(nn.Module):
         return out.reshape(*lead, self.out_features)
 
     @torch.no_grad()
-    def rewire(self, fraction: float, generator: torch.Generator | None = None) -> torch.Tensor:
+    def rewire(self, fraction: float, generator: torch.Generator | None = None,
+               exact_count: bool = False) -> torch.Tensor:
         """Move the globally lowest-|weight| ``fraction`` of connections to new uniformly random free
         (label, input) positions (SET); values are kept. Returns the rewired slots' sorted positions
         into ``self.weight.view(-1)``."""
-        positions = lowest_magnitude(self.weight, fraction)
+        positions = lowest_magnitude(self.weight, fraction, exact_count)
         if positions.numel():
             flat = self.indices[0] * self.in_features + self.indices[1]
             keep = torch.ones_like(flat, dtype=torch.bool)

@@ -117,18 +117,41 @@ def redraw_sources_(indices: torch.Tensor, redraw: torch.Tensor, in_features: in
     return indices
 
 
+def redraw_with_replacement_(indices: torch.Tensor, redraw: torch.Tensor, in_features: int,
+                             generator: torch.Generator | None = None) -> torch.Tensor:
+    """The authors' regrowth: each ``redraw`` slot gets a uniformly random source, drawn independently.
+
+    A label may then read one input through two slots (its fan-in is still ``connectivity`` slots). Draws go to
+    the slots in ascending position, so the same generator state gives the same sources on any device.
+    """
+    flat = redraw.reshape(-1).nonzero().squeeze(1)
+    indices.view(-1)[flat] = _draw(flat.numel(), in_features, generator, indices.device).to(indices.dtype)
+    return indices
+
+
 def sample_uniform_sources(in_features: int, out_features: int, connectivity: int,
-                           generator: torch.Generator | None = None) -> torch.Tensor:
-    """(connectivity, out_features) int32: each label gets ``connectivity`` distinct random inputs."""
+                           generator: torch.Generator | None = None, distinct: bool = False) -> torch.Tensor:
+    """(connectivity, out_features) int32: ``connectivity`` random inputs per label.
+
+    ``distinct=False`` draws every slot independently, as the authors' layer does; ``distinct=True`` samples
+    each label's inputs without replacement.
+    """
     start = torch.zeros(connectivity, out_features, dtype=torch.int64)
     everything = torch.ones(connectivity, out_features, dtype=torch.bool)
-    return redraw_sources(start, everything, in_features, generator).to(torch.int32).contiguous()
+    if distinct:
+        start = redraw_sources(start, everything, in_features, generator)
+    else:
+        redraw_with_replacement_(start, everything, in_features, generator)
+    return start.to(torch.int32).contiguous()
 
 
-def lowest_magnitude(weight: torch.Tensor, fraction: float) -> torch.Tensor:
-    """Sorted flat positions of the ``round(fraction * numel)`` smallest-|weight| entries (global).
+def lowest_magnitude(weight: torch.Tensor, fraction: float, exact_count: bool = False) -> torch.Tensor:
+    """Sorted flat positions of the smallest-|weight| entries (global).
 
-    Ties at the threshold go to the lowest positions. The threshold is found by bisection on the bit
+    The threshold t is the ``round(fraction * numel)``-th smallest magnitude. ``exact_count=False`` selects the
+    entries strictly below t, as the authors' selector does (one fewer than the count when magnitudes are
+    distinct, fewer still at ties); ``exact_count=True`` selects exactly the count, ties at t going to the
+    lowest positions. The threshold is found by bisection on the bit
     pattern of |w| (ordered like the magnitudes), a slice of the weights at a time: no weight-sized
     temporary. A top-k over all 21M weights of an Amazon-670K layer would hold |w| plus its outputs
     (~110 MB) next to the parameters, gradients and Adam moments at the moment rewiring runs.
@@ -164,6 +187,8 @@ def lowest_magnitude(weight: torch.Tensor, fraction: float) -> torch.Tensor:
         below.append((bits < lo).nonzero().squeeze(1) + start)
         ties.append((bits == lo).nonzero().squeeze(1) + start)
     below = torch.cat(below)
+    if not exact_count:
+        return below
     return torch.cat([below, torch.cat(ties)[:count - below.numel()]]).sort().values
 
 

@@ -1,0 +1,110 @@
+"""The authors' training behaviour as the defaults: initialisation, rewiring schedule and count, tf-idf."""
+
+from __future__ import annotations
+
+import math
+
+import lightning.pytorch as pl
+import numpy as np
+import pytest
+import scipy.sparse as sp
+import torch
+from torch import nn
+
+from xmc_repro.callbacks import Rewiring
+from xmc_repro.data import build_datamodule
+from xmc_repro.data.features import inverse_document_frequency, tfidf_rows
+from xmc_repro.model import XMCClassifier
+
+TINY = {"kind": "synthetic", "name": "Tiny", "num_train": 200, "num_test": 40, "num_features": 24,
+        "num_labels": 60, "latent_dim": 8, "labels_per_point": 2.0, "data_seed": 0, "holdout_fraction": 0.1}
+
+
+@pytest.mark.parametrize("schedule,steps", [("authors", [1, 5, 9, 13]), ("multiples", [4, 8, 12])])
+def test_rewiring_schedule(schedule, steps):
+    rewiring = Rewiring(0.1, every_n_steps=4, schedule=schedule)
+    assert [s for s in range(0, 15) if rewiring.due(s)] == steps
+    # the authors' `iterations % N == 1` for N >= 2; every step for N = 1 (their formula would never fire)
+    assert all(Rewiring(0.1, every_n_steps=1).due(s) for s in range(1, 5))
+    assert not any(Rewiring(0.1, every_n_steps=None).due(s) for s in range(1, 5))
+    with pytest.raises(ValueError, match="'weekly'"):
+        Rewiring(0.1, every_n_steps=4, schedule="weekly")
+
+
+class _RecordRewirings(Rewiring):
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.events = []  # (step, slots rewired, slots that could have been)
+
+    @torch.no_grad()
+    def rewire(self, trainer, pl_module):
+        before = pl_module.head.weight.detach().abs().view(-1).clone()
+        super().rewire(trainer, pl_module)
+        count = round(self.fraction * before.numel())
+        threshold = before.sort().values[count - 1]
+        self.events.append((trainer.global_step, int((before < threshold).sum()), count))
+
+
+@pytest.mark.parametrize("schedule,exact,steps", [("authors", False, [1, 4, 7, 10]), ("multiples", True, [3, 6, 9])])
+def test_rewiring_in_training_steps_and_slot_count(tmp_path, schedule, exact, steps):
+    pl.seed_everything(0, verbose=False)
+    model = XMCClassifier(TINY["num_features"], TINY["num_labels"], head="uniform", connectivity=4)
+    rewiring = _RecordRewirings(0.25, every_n_steps=3, schedule=schedule, exact_count=exact)
+    trainer = pl.Trainer(max_steps=10, logger=False, enable_progress_bar=False, enable_model_summary=False,
+                         enable_checkpointing=False, num_sanity_val_steps=0, limit_val_batches=0,
+                         callbacks=[rewiring], default_root_dir=tmp_path)
+    trainer.fit(model, datamodule=build_datamodule(TINY, batch_size=16, seed=0))
+    assert [step for step, _, _ in rewiring.events] == steps
+    assert rewiring.rewirings == len(steps)
+    # the authors rewire the weights strictly below the threshold: one slot fewer than the fraction here
+    for _, below, count in rewiring.events:
+        assert count == 60 and below == count - 1
+
+
+def test_authors_init_of_dense_layers_is_glorot_uniform_with_zero_bias():
+    pl.seed_everything(0, verbose=False)
+    model = XMCClassifier(300, 5000, head="dense", intermediate=700)
+    linears = [m for m in model.modules() if isinstance(m, nn.Linear)]
+    assert len(linears) == 2
+    for layer in linears:
+        fan_out, fan_in = layer.weight.shape
+        bound = math.sqrt(6.0 / (fan_in + fan_out))
+        w = layer.weight.detach().double()
+        assert bound * 0.99 < float(w.abs().max()) <= bound
+        assert abs(float(w.var()) * 3 / bound**2 - 1) < 0.02
+        assert torch.count_nonzero(layer.bias) == 0
+    torch_default = XMCClassifier(300, 5000, head="dense", intermediate=700, init="fan_in")
+    assert torch.count_nonzero(torch_default.head.bias) > 0
+    assert 0.99 / math.sqrt(300) < float(torch_default.encoder[1].weight.abs().max()) <= 1 / math.sqrt(300)
+
+
+def test_bottleneck_follows_the_authors_dense_relu_dense():
+    model = XMCClassifier(30, 50, head="bottleneck", bottleneck=8)
+    kinds = [type(m) for m in model.head]
+    assert kinds == [nn.Linear, nn.ReLU, nn.Linear] and model.head[0].bias is not None
+    linear = XMCClassifier(30, 50, head="bottleneck", bottleneck=8, bottleneck_activation="linear")
+    assert [type(m) for m in linear.head] == [nn.Linear, nn.Linear] and linear.head[0].bias is None
+
+
+def test_adam_epsilon_is_keras_default():
+    model = XMCClassifier(10, 20, head="dense")
+    optimizer = model.configure_optimizers()["optimizer"]
+    assert optimizer.defaults["eps"] == 1e-7
+
+
+def test_tfidf_against_a_direct_computation():
+    rng = np.random.default_rng(0)
+    counts = (rng.random((30, 12)) < 0.3) * rng.integers(1, 5, (30, 12))
+    counts[:, 11] = 0  # a feature never seen in training
+    test_counts = (rng.random((7, 12)) < 0.4) * rng.integers(1, 3, (7, 12))
+    idf = inverse_document_frequency(sp.csr_matrix(counts))
+    df = (counts > 0).sum(0)
+    expected_idf = np.log((1 + 30) / (1 + df)) + 1
+    np.testing.assert_allclose(idf, expected_idf, rtol=1e-6)
+    for x in (counts, test_counts):  # the test split uses the training idf
+        got = tfidf_rows(sp.csr_matrix(x), idf).toarray()
+        weighted = x * expected_idf
+        norms = np.linalg.norm(weighted, axis=1, keepdims=True)
+        expected = np.divide(weighted, norms, out=np.zeros_like(weighted, dtype=float), where=norms > 0)
+        np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-7)
+        assert got.dtype == np.float32
