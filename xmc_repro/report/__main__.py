@@ -1,5 +1,9 @@
-"""`python -m xmc_repro.report {smoke,export,grid,render}`: the stages of dvc.yaml, runnable by hand;
-`merge` copies runs made elsewhere (e.g. on a GPU machine) into the local store before `export`."""
+"""`python -m xmc_repro.report`: the paper's tables from the run records in results/records/.
+
+By hand: `smoke` trains the smoke sweeps into an MLflow store, `records add [URI]` copies a store's finished runs
+into records, `grid` lists the presets' configurations. The stages of dvc.yaml (no training, only records in):
+`export` (records -> runs.csv), `render` (tables, figures), `claims` (results/claims.md).
+"""
 
 from __future__ import annotations
 
@@ -12,49 +16,42 @@ from xmc_repro.errors import UserError
 RESULTS = Path("results")
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m xmc_repro.report", description=__doc__)
-    parser.add_argument("--tracking-uri", help="MLflow store (default: $MLFLOW_TRACKING_URI or sqlite:///mlruns.db)")
-    commands = parser.add_subparsers(dest="command", required=True)
-    smoke = commands.add_parser("smoke", help="run the smoke sweep of every table that has no smoke runs yet")
-    smoke.add_argument("--marker", type=Path, default=RESULTS / "smoke_runs.json")
-    export = commands.add_parser("export", help="finished runs of the paper's tables -> runs.csv")
+def parser() -> argparse.ArgumentParser:
+    main = argparse.ArgumentParser(prog="python -m xmc_repro.report", description=__doc__)
+    commands = main.add_subparsers(dest="command", required=True)
+    smoke = commands.add_parser("smoke", help="train the smoke sweeps (CPU, minutes per table) into an MLflow store")
+    smoke.add_argument("--tables", nargs="+", default=None, help="e.g. table1 table4 (default: all five)")
+    smoke.add_argument("--tracking-uri", help="MLflow store (default: $MLFLOW_TRACKING_URI or sqlite:///mlruns.db)")
+    smoke.add_argument("--data-missing", type=Path, default=RESULTS / "data_missing.json")
+    records = commands.add_parser("records", help="run records (results/records/*.json)")
+    records_commands = records.add_subparsers(dest="action", required=True)
+    add = records_commands.add_parser("add", help="copy the finished table runs of an MLflow store into records")
+    add.add_argument("tracking_uri", nargs="?", help="default: $MLFLOW_TRACKING_URI or sqlite:///mlruns.db")
+    add.add_argument("--dir", type=Path, default=RESULTS / "records")
+    export = commands.add_parser("export", help="records -> runs.csv (one row per configuration and machine)")
+    export.add_argument("--records", type=Path, default=RESULTS / "records")
     export.add_argument("--out", type=Path, default=RESULTS / "runs.csv")
-    merge = commands.add_parser("merge", help="copy finished table runs from another store into this one")
-    merge.add_argument("source", help="the other store's tracking URI, e.g. sqlite:///gpu-mlruns.db")
     grid = commands.add_parser("grid", help="every configuration of the sweep presets (conf/experiment) -> grid.csv")
     grid.add_argument("--out", type=Path, default=RESULTS / "grid.csv")
     render = commands.add_parser("render", help="runs.csv + grid.csv -> tables (md, tex, csv) and figures")
     render.add_argument("--runs", type=Path, default=RESULTS / "runs.csv")
     render.add_argument("--grid", type=Path, default=RESULTS / "grid.csv")
     render.add_argument("--paper", type=Path, help="published numbers (default: results/paper_results.csv)")
+    render.add_argument("--data-missing", type=Path, default=RESULTS / "data_missing.json")
     render.add_argument("--tables", type=Path, default=RESULTS / "tables")
     render.add_argument("--figures", type=Path, default=RESULTS / "figures")
-    args = parser.parse_args(argv)
+    claims = commands.add_parser("claims", help="runs.csv -> the paper's six claims, verdicted (claims.md)")
+    claims.add_argument("--runs", type=Path, default=RESULTS / "runs.csv")
+    claims.add_argument("--out", type=Path, default=RESULTS / "claims.md")
+    return main
 
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
     from xmc_repro.report.smoke import SweepFailed
 
     try:
-        if args.command == "smoke":
-            from xmc_repro.report.smoke import ensure_smoke_runs
-
-            counts = ensure_smoke_runs(args.marker, args.tracking_uri)
-            print(f"smoke runs per table: {counts}")
-        elif args.command == "export":
-            from xmc_repro.report.export import export as export_runs
-
-            rows = export_runs(args.out, args.tracking_uri)
-            print(f"{args.out}: {len(rows)} configurations")
-        elif args.command == "merge":
-            from xmc_repro.report.merge import merge_runs
-
-            print(f"{merge_runs(args.source, args.tracking_uri)} runs copied from {args.source}")
-        elif args.command == "grid":
-            from xmc_repro.report.grid import write_grid
-
-            print(f"{args.out}: {write_grid(args.out)} configurations in the presets' grids")
-        else:
-            render_all(args.runs, args.grid, args.paper, args.tables, args.figures)
+        run(args)
     except UserError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
@@ -64,26 +61,70 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def render_all(runs_csv: Path, grid_csv: Path, paper_csv: Path | None, tables_dir: Path, figures_dir: Path) -> None:
+def run(args) -> None:
+    if args.command == "smoke":
+        from xmc_repro.report.grid import TABLES
+        from xmc_repro.report.smoke import run_smoke
+
+        run_smoke(args.tables or TABLES, args.tracking_uri, args.data_missing)
+        print("smoke: done; copy the runs into results/records with `python -m xmc_repro.report records add`")
+    elif args.command == "records":
+        from xmc_repro.report.records import add_from_store, tracking_uri
+
+        counts = add_from_store(args.tracking_uri, args.dir)
+        print(f"{args.dir}: {counts['new']} new, {counts['updated']} updated, {counts['unchanged']} unchanged "
+              f"records from {tracking_uri(args.tracking_uri)}")  # fmt: skip
+    elif args.command == "export":
+        from xmc_repro.report.export import export
+
+        rows = export(args.out, args.records)
+        print(f"{args.out}: {len(rows)} configurations from {args.records}")
+    elif args.command == "grid":
+        from xmc_repro.report.grid import write_grid
+
+        print(f"{args.out}: {write_grid(args.out)} configurations in the presets' grids")
+    elif args.command == "render":
+        render_all(args.runs, args.grid, args.paper, args.data_missing, args.tables, args.figures)
+    else:
+        from xmc_repro.report.claims import write_claims
+
+        verdicts = write_claims(_runs(args.runs), args.out)
+        print(f"{args.out}: " + ", ".join(f"{claim} {verdict}" for claim, verdict in verdicts.items()))
+
+
+def _runs(path: Path) -> list[dict]:
     from xmc_repro.errors import DataError
-    from xmc_repro.report import paper
     from xmc_repro.report.export import read_runs_csv
+
+    if not path.exists():
+        raise DataError(f"{path}: not found; write it first with `python -m xmc_repro.report export`")
+    return read_runs_csv(path)
+
+
+def _published(path: Path | None) -> list[dict]:
+    from xmc_repro.report import paper
+
+    return paper.load(path or paper.PAPER_CSV)
+
+
+def render_all(runs_csv: Path, grid_csv: Path, paper_csv: Path | None, data_missing: Path, tables_dir: Path,
+               figures_dir: Path) -> None:  # fmt: skip
+    from xmc_repro.errors import DataError
     from xmc_repro.report.figures import render_figures
     from xmc_repro.report.grid import read_grid
     from xmc_repro.report.render import render_tables
+    from xmc_repro.report.smoke import read_data_missing
 
-    for path, command in ((runs_csv, "export"), (grid_csv, "grid")):
-        if not path.exists():
-            raise DataError(f"{path}: not found; write it first with `python -m xmc_repro.report {command}`")
-    runs = read_runs_csv(runs_csv)
-    published = paper.load(paper_csv or paper.PAPER_CSV)
-    rendered = render_tables(runs, published, tables_dir, read_grid(grid_csv))
+    if not grid_csv.exists():
+        raise DataError(f"{grid_csv}: not found; write it first with `python -m xmc_repro.report grid`")
+    runs, published = _runs(runs_csv), _published(paper_csv)
+    rendered = render_tables(runs, published, tables_dir, read_grid(grid_csv), read_data_missing(data_missing))
     for table, rows in rendered.items():
         measured = sum(r["status"] == "measured" for r in rows)
         missing = sum(r["status"] == "missing" for r in rows)
         print(f"{tables_dir / table}.{{md,tex,csv}}: {measured} measured, {missing} missing")
     names = render_figures(runs, published, figures_dir)
-    print(f"{figures_dir}: memory vs P@1 for {', '.join(names)}")
+    print(f"{figures_dir}: {len(names)} figures, index in {figures_dir / 'README.md'}")
 
 
 if __name__ == "__main__":

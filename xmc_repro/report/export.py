@@ -1,4 +1,4 @@
-"""MLflow -> results/runs.csv: one row per configuration of the paper's tables and machine it ran on.
+"""Run records -> results/runs.csv: one row per configuration of the paper's tables and machine it ran on.
 
 Only FINISHED runs tagged with a `table` count (a FAILED or still RUNNING run is never a result). Per
 configuration, machine (the `device` tag: a CPU, or the CUDA card's name) and seed the latest run wins (a rerun
@@ -9,14 +9,12 @@ Runs of one configuration on two cards stay two rows: their memory and time are 
 from __future__ import annotations
 
 import csv
-import os
 import statistics
-from datetime import datetime, timezone
 from pathlib import Path
 
+from xmc_repro.report import records as run_records
 from xmc_repro.report.identity import CONFIG_COLUMNS, config_key, configuration
-
-DEFAULT_TRACKING_URI = "sqlite:///mlruns.db"  # as conf/logger/mlflow.yaml: relative to the working directory
+from xmc_repro.report.state import model_state_bytes, param
 
 # runs.csv column -> MLflow metric key; the names follow the paper's CSV where it has the column.
 METRICS = {
@@ -29,57 +27,34 @@ METRICS = {
     "epochs": "epochs",
     "time_per_epoch_s": "time_per_epoch_s",
 }
+# Derived from the config (see state.py): what a CPU run can plot instead of GPU memory.
+STATE_MIB = "state_mib"
 PROVENANCE = ("device", "sparse_backend", "git_commit")
 COLUMNS = (
     *CONFIG_COLUMNS,
     "seeds",
     "runs",
     *(name for metric in METRICS for name in (metric, f"{metric}_std")),
+    STATE_MIB,
     *PROVENANCE,
     "run_ids",
     "last_end_time",
+    "sources",
 )
 
 
-def tracking_uri(uri: str | None = None) -> str:
-    return uri or os.environ.get("MLFLOW_TRACKING_URI") or DEFAULT_TRACKING_URI
-
-
-def finished_runs(uri: str) -> list:
-    """Every FINISHED run with a `table` tag, from every experiment of the store."""
-    from mlflow.entities import ViewType
-    from mlflow.tracking import MlflowClient
-
-    client = MlflowClient(uri)
-    experiment_ids = [e.experiment_id for e in client.search_experiments(view_type=ViewType.ALL)]
-    runs, token = [], None
-    while experiment_ids:
-        page = client.search_runs(
-            experiment_ids,
-            filter_string="attributes.status = 'FINISHED'",
-            run_view_type=ViewType.ACTIVE_ONLY,
-            max_results=1000,
-            page_token=token,
-        )
-        runs.extend(run for run in page if run.data.tags.get("table"))
-        token = page.token
-        if not token:
-            break
-    return runs
-
-
-def summarize(runs) -> list[dict[str, str]]:
-    """One row per configuration: the latest run of each seed, then mean and spread over seeds."""
+def summarize(records: list[dict]) -> list[dict[str, str]]:
+    """One row per configuration: the latest record of each seed, then mean and spread over seeds."""
     latest: dict[tuple, dict[str, object]] = {}
-    for run in runs:
-        if run.info.status != "FINISHED":  # callers may pass any runs; only finished ones are results
+    for record in records:
+        if record["status"] != "FINISHED" or not record["tags"].get("table"):
             continue
-        config = configuration(run.data.params, run.data.tags)
-        seed = run.data.params.get("seed", "")
-        slot = (config_key(config), run.data.tags.get("device", ""), seed)
-        order = (run.info.start_time or 0, run.info.run_id)
+        config = configuration(record["params"], record["tags"])
+        seed = _param(record["params"], "seed")
+        slot = (config_key(config), record["tags"].get("device", ""), seed)
+        order = (record.get("start_time") or record.get("end_time") or "", record["run_id"])
         if slot not in latest or order > latest[slot]["order"]:
-            latest[slot] = {"order": order, "config": config, "seed": seed, "run": run}
+            latest[slot] = {"order": order, "config": config, "seed": seed, "record": record}
 
     groups: dict[tuple, list] = {}
     for (key, device, _), entry in latest.items():
@@ -87,21 +62,33 @@ def summarize(runs) -> list[dict[str, str]]:
     return [_row(groups[key]) for key in sorted(groups, key=natural_order)]
 
 
+def _param(params: dict, key: str) -> str:
+    return param(params, key) or ""
+
+
 def _row(entries: list[dict]) -> dict[str, str]:
     entries = sorted(entries, key=lambda e: _seed_order(e["seed"]))
-    runs = [e["run"] for e in entries]
+    records = [e["record"] for e in entries]
     row = dict(entries[0]["config"])
-    row["seeds"] = ";".join(e["seed"] for e in entries)
-    row["runs"] = str(len(runs))
+    # a record migrated from an older runs.csv may stand for the mean over several seeds' runs
+    seeds = [s for e in entries for s in (e["record"].get("aggregate", {}).get("seeds") or [e["seed"]])]
+    row["seeds"] = ";".join(seeds)
+    row["runs"] = str(sum(len(r.get("aggregate", {}).get("run_ids") or [r["run_id"]]) for r in records))
     for column, key in METRICS.items():
-        values = [run.data.metrics[key] for run in runs if key in run.data.metrics]
+        values = [r["metrics"][key] for r in records if key in r["metrics"]]
         row[column] = _number(statistics.fmean(values)) if values else ""
-        row[f"{column}_std"] = _number(statistics.stdev(values)) if len(values) > 1 else ""
+        spread = [r["aggregate"]["std"][column] for r in records if column in r.get("aggregate", {}).get("std", {})]
+        if len(values) > 1:
+            row[f"{column}_std"] = _number(statistics.stdev(values))
+        else:
+            row[f"{column}_std"] = _number(spread[0]) if spread else ""
+    state = {model_state_bytes(r["params"], r["metrics"]) for r in records}
+    row[STATE_MIB] = _number(state.pop() / 2**20) if len(state) == 1 and None not in state else ""
     for tag in PROVENANCE:
-        row[tag] = "; ".join(sorted({run.data.tags.get(tag, "") for run in runs} - {""}))
-    row["run_ids"] = ";".join(run.info.run_id for run in runs)
-    end = max(run.info.end_time or 0 for run in runs)
-    row["last_end_time"] = datetime.fromtimestamp(end / 1000, timezone.utc).isoformat(timespec="seconds") if end else ""
+        row[tag] = "; ".join(sorted({r["tags"].get(tag, "") for r in records} - {""}))
+    row["run_ids"] = ";".join(i for r in records for i in (r.get("aggregate", {}).get("run_ids") or [r["run_id"]]))
+    row["last_end_time"] = max(r.get("end_time") or "" for r in records)
+    row["sources"] = "; ".join(sorted({r.get("source", "") for r in records} - {""}))
     return row
 
 
@@ -131,8 +118,8 @@ def read_runs_csv(path: Path) -> list[dict[str, str]]:
         return list(csv.DictReader(f))
 
 
-def export(path: Path, uri: str | None = None) -> list[dict[str, str]]:
-    """Write runs.csv from the store at `uri` (default: $MLFLOW_TRACKING_URI or sqlite:///mlruns.db)."""
-    rows = summarize(finished_runs(tracking_uri(uri)))
+def export(path: Path, directory: Path = run_records.RECORDS_DIR) -> list[dict[str, str]]:
+    """Write runs.csv from the records in `directory`."""
+    rows = summarize(run_records.load(directory))
     write_runs_csv(rows, path)
     return rows

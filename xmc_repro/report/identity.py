@@ -36,9 +36,10 @@ NO_SCALE = "none"  # a run tagged with a table but launched without a scale
 
 
 def _value(params: dict, key: str) -> str:
-    """A param as MLflow stores it, with null spelled as the empty string."""
-    value = params.get(key)
-    return "" if value is None or str(value) in ("None", "null", "") else str(value)
+    """A param by its Hydra key (logged as `model/head` or `model.head`), with null spelled as the empty string."""
+    from xmc_repro.report.state import param
+
+    return param(params, key) or ""
 
 
 def configuration(params: dict, tags: dict) -> dict[str, str]:

@@ -4,6 +4,12 @@ Each table has a block per scale. A block lists the paper's rows in the paper's 
 of our grid (or of our runs) that the paper's table does not have — with the authors' supplementary value where
 they published one. Every configuration of the preset's grid that has no finished run is marked `missing`;
 nothing is filled in that was not measured.
+
+A difference to the paper (Δ) is only shown for runs on the paper's own datasets. A synthetic stand-in or a
+small real dataset (Bibtex, Delicious) is other data: there, what carries over is how each model compares with
+the dense model on the same data, so those rows give P@k ÷ the dense model's P@k (same data, scale and machine)
+beside the paper's same ratio on the dataset stood in for (for Bibtex/Delicious: the range over the paper's
+datasets of that ratio for the same kind of model).
 """
 
 from __future__ import annotations
@@ -12,7 +18,7 @@ import csv
 from pathlib import Path
 
 from xmc_repro.report import paper
-from xmc_repro.report.identity import config_key, describe, paper_key, paper_width
+from xmc_repro.report.identity import PAPER_DATASETS, config_key, describe, paper_key
 
 # Metrics set beside the published ones (with their difference), in the paper's column names.
 COMPARED = ("test_p1", "test_p3", "test_p5", "train_p1", "train_p3", "train_p5", "memory_gib", "epochs",
@@ -24,8 +30,10 @@ COLUMNS = (
     *(f"{side}_{m}" for m in COMPARED for side in ("published", "ours")),
     *(f"ours_{m}_std" for m in COMPARED),
     *(f"diff_{m}" for m in COMPARED),
+    "paper_data", *(f"{side}_p{k}_vs_dense" for k in (1, 3, 5) for side in ("ours", "published")), "dense_run_ids",
     "our_dataset", "our_setup", "seeds", "runs", "card", "sparse_backend", "git_commit", "run_ids",
 )  # fmt: skip
+RATIO_KS = (1, 3, 5)
 SCALE_NOTES = {
     "paper": "the paper's datasets and sizes (GPU)",
     "smoke": "synthetic stand-ins for the paper's datasets plus Bibtex/Delicious, intermediate layers 128 times "
@@ -33,8 +41,9 @@ SCALE_NOTES = {
 }
 
 
-def table_rows(table: str, scale: str, runs: list[dict], expected: list[dict], published: list[dict]) -> list[dict]:
-    """The rows of one table at one scale."""
+def table_rows(table: str, scale: str, runs: list[dict], expected: list[dict], published: list[dict],
+               data_missing: dict[str, str] | None = None) -> list[dict]:  # fmt: skip
+    """The rows of one table at one scale; `runs` are all of runs.csv (dense references may be in any table)."""
     ours: dict[tuple, list[dict]] = {}  # a configuration may have run on several machines
     for run in runs:
         if run["table"] == table and run["scale"] == scale:
@@ -51,23 +60,40 @@ def table_rows(table: str, scale: str, runs: list[dict], expected: list[dict], p
         key = paper_key(config)
         (matched.setdefault(key, []) if key in published_keys else extras).append(config)
 
+    context = {"runs": runs, "published": published, "paper_table": paper.PAPER_TABLES[table]}
     rows = []
     for published_row in rows_here:
         if published_row["setup"] == "literature":
-            rows.append(_row(table, scale, published_row, "paper", None, None))
+            rows.append(_row(table, scale, published_row, "paper", None, None, context))
             continue
         for config in matched.get(paper.row_key(published_row), [None]):
             for run in ours.get(config_key(config), [None]) if config else [None]:
-                rows.append(_row(table, scale, published_row, "paper", config, run))
+                rows.append(_row(table, scale, published_row, "paper", config, run, context))
     for config in extras:
         source_row = supplement.get(paper_key(config))
         source = "authors' README" if source_row else ""
         for run in ours.get(config_key(config), [None]):
-            rows.append(_row(table, scale, source_row, source, config, run))
-    return rows
+            rows.append(_row(table, scale, source_row, source, config, run, context))
+    return _collapse_missing_data(rows, data_missing or {})
 
 
-def _row(table, scale, published_row, source, config, run) -> dict[str, str]:
+def _collapse_missing_data(rows: list[dict], data_missing: dict[str, str]) -> list[dict]:
+    """A dataset whose data was not found and that has no run here: one row saying so, not one per model."""
+    out, reported = [], set()
+    for row in rows:
+        name = row["our_dataset"].rsplit(" ", 1)[0] if row["our_dataset"] else ""
+        unmeasured = not any(r["status"] == "measured" and r["our_dataset"] == row["our_dataset"] for r in rows)
+        if name in data_missing and unmeasured and not row["published_source"]:
+            if name not in reported:
+                reported.add(name)
+                out.append({**row, "connectivity": "", "intermediate": "", "setup": "",
+                            "our_setup": f"missing: data not found at {data_missing[name]}"})  # fmt: skip
+            continue
+        out.append(row)
+    return out
+
+
+def _row(table, scale, published_row, source, config, run, context) -> dict[str, str]:
     row = dict.fromkeys(COLUMNS, "")
     row.update(table=table, scale=scale)
     if published_row is not None:
@@ -77,9 +103,9 @@ def _row(table, scale, published_row, source, config, run) -> dict[str, str]:
     else:  # a configuration without a published value: named in the paper's terms where the dataset is the paper's
         key = paper_key(config)
         if key is None:
-            width = paper_width(config["intermediate"], config["scale"])
             connectivity = config["connectivity"] or config["bottleneck"]
-            key = (config["dataset"], config["features"], config["setup"], connectivity, width, config["loss"])
+            key = (config["dataset"], config["features"], config["setup"], connectivity, config["intermediate"],
+                   config["loss"])  # fmt: skip
         row.update(zip(IDENTITY, key))
         if config["setup"] == "mach":  # its decoding connects each label to one bucket per hash function
             row["connectivity"] = config["mach_hashes"]
@@ -87,17 +113,80 @@ def _row(table, scale, published_row, source, config, run) -> dict[str, str]:
         row["status"] = "literature" if published_row and published_row["setup"] == "literature" else MISSING
         return row
     row.update(our_dataset=f"{config['dataset']} {config['features']}".strip(), our_setup=describe(config))
+    # the paper's own dataset (not a stand-in named after it): only there is a difference to the paper meaningful
+    row["paper_data"] = "yes" if (config["dataset"], config["features"]) in PAPER_DATASETS else "no"
+    if row["paper_data"] == "no" and config["setup"] != "dense":
+        for k, value in _published_vs_dense(config, published_row, context).items():
+            row[f"published_p{k}_vs_dense"] = value
     if run is None:
         row["status"] = MISSING
         return row
     row["status"] = "measured"
     for m in COMPARED:
         row[f"ours_{m}"], row[f"ours_{m}_std"] = run.get(m, ""), run.get(f"{m}_std", "")
-        if row[f"ours_{m}"] and row[f"published_{m}"]:
+        if row[f"ours_{m}"] and row[f"published_{m}"] and row["paper_data"] == "yes":
             row[f"diff_{m}"] = f"{float(row[f'ours_{m}']) - float(row[f'published_{m}']):.6g}"
+    if row["paper_data"] == "no" and config["setup"] != "dense":
+        dense = dense_reference(run, context["runs"])
+        if dense is not None:
+            row["dense_run_ids"] = dense["run_ids"]
+            for k in RATIO_KS:
+                row[f"ours_p{k}_vs_dense"] = _ratio(run[f"test_p{k}"], dense[f"test_p{k}"])
     row.update(seeds=run["seeds"], runs=run["runs"], card=run["device"], sparse_backend=run["sparse_backend"])
     row.update(git_commit=run["git_commit"], run_ids=run["run_ids"])
     return row
+
+
+def _ratio(value: str, reference: str) -> str:
+    if not value or not reference or float(reference) == 0:
+        return ""
+    return f"{float(value) / float(reference):.6g}"
+
+
+def dense_reference(run: dict, runs: list[dict]) -> dict | None:
+    """Our dense model without intermediate layer on the same data, scale and machine (same loss and table first)."""
+    same = [r for r in runs if r["setup"] == "dense" and not r["intermediate"]
+            and all(r[c] == run[c] for c in ("scale", "dataset", "features", "device"))]  # fmt: skip
+    same.sort(key=lambda r: (r["loss"] != run["loss"], r["table"] != run["table"], r["table"]))
+    return same[0] if same else None
+
+
+def _paper_dense(published: list[dict], dataset: str, features: str) -> dict | None:
+    for row in published:
+        if (row["dataset"], row["features"], row["setup"], row["intermediate"]) == (dataset, features, "dense", ""):
+            if row["table"] == "table1_architecture" and row["loss"] == "squared_hinge":
+                return row
+    return None
+
+
+def _published_vs_dense(config: dict, published_row: dict | None, context: dict) -> dict[int, str]:
+    """The paper's P@k ÷ its dense P@k for the configuration this row stands for; a range where several fit."""
+    published = context["published"]
+    if published_row is not None:
+        candidates = [published_row]
+    elif paper_key(config) is None:  # Bibtex, Delicious: the same kind of model on each of the paper's datasets
+        sparse = config["setup"] in ("uniform", "unstructured")
+        candidates = [
+            r for r in published
+            if r["table"] == context["paper_table"] and r["setup"] == config["setup"] and r["loss"] == config["loss"]
+            and (not sparse or r["connectivity"] == config["connectivity"])
+            and bool(r["intermediate"]) == bool(config["intermediate"])
+        ]  # fmt: skip
+    else:
+        candidates = []
+    ratios: dict[int, list[float]] = {k: [] for k in RATIO_KS}
+    for row in candidates:
+        dense = _paper_dense(published, row["dataset"], row["features"])
+        for k in RATIO_KS:
+            value = _ratio(row.get(f"test_p{k}", ""), dense[f"test_p{k}"] if dense else "")
+            if value:
+                ratios[k].append(float(value))
+    return {k: _span(values) for k, values in ratios.items() if values}
+
+
+def _span(values: list[float]) -> str:
+    low, high = min(values), max(values)
+    return f"{low:.6g}" if round(low, 2) == round(high, 2) else f"{low:.6g}..{high:.6g}"
 
 
 def scales_to_show(runs: list[dict], table: str) -> list[str]:
@@ -149,6 +238,17 @@ def _our_run(row: dict) -> str:
     return text
 
 
+def _vs_dense(row: dict, k: int) -> str:
+    """`ours / paper` ratio to the dense model, for rows on data other than the paper's."""
+    if row["paper_data"] != "no" or row["setup"] == "dense" or row["status"] != "measured":
+        return ""
+
+    def fmt(value: str) -> str:
+        return "–".join(f"{float(v):.2f}" for v in value.split("..")) if value else "—"
+
+    return f"{fmt(row[f'ours_p{k}_vs_dense'])} / {fmt(row[f'published_p{k}_vs_dense'])}"
+
+
 def display_columns(rows: list[dict]) -> list[tuple[str, callable]]:
     """(header, cell function) of the human-readable tables (md and tex); the csv has every column."""
     columns = [
@@ -167,6 +267,7 @@ def display_columns(rows: list[dict]) -> list[tuple[str, callable]]:
             (f"P@{k} ours", lambda r, m=m: _ours(r, m)),
             ("Δ", lambda r, m=m: _diff(r, m)),
         ]
+    columns += [(f"P@{k} ÷ dense ours / paper", lambda r, k=k: _vs_dense(r, k)) for k in RATIO_KS]
     columns += [
         ("Mem. GiB paper", lambda r: _published(r, "memory_gib")),
         ("Mem. GiB ours", lambda r: _ours(r, "memory_gib")),
@@ -177,11 +278,17 @@ def display_columns(rows: list[dict]) -> list[tuple[str, callable]]:
 
 
 FOOTNOTES = [
-    "P@k in percent on the test split. Δ = ours − published. `missing`: in the preset's grid (or published) "
-    "but no finished run in MLflow. — : not published, or not measured (peak GPU memory on a CPU run).",
+    "P@k in percent on the test split. Δ = ours − published, only for runs on the paper's own datasets. "
+    "`missing`: in the preset's grid (or published) but no run record (results/records). — : not published, or "
+    "not measured (peak GPU memory on a CPU run).",
+    "P@k ÷ dense, for runs on other data (synthetic stand-ins, Bibtex, Delicious): our P@k divided by our dense "
+    "model's (no intermediate layer) on the same data, scale and card, beside the paper's P@k divided by its dense "
+    "model's on the dataset stood in for; for Bibtex and Delicious the range of that ratio over the paper's "
+    "datasets for the same kind of model. Absolute P@k of other data is not comparable with the paper's.",
     "ᵃ: from the authors' supplementary tables (xmc-aalto/ecml23-sparse), not the paper's table.",
     "Conn.: connections per label (dense: the input size; bottleneck: its width). Inter.: the paper's size of the "
-    "intermediate layer; a smoke run's actual, 128 times narrower, width is in *Our run*.",
+    "intermediate layer (for a stand-in; Bibtex and Delicious show their own); a smoke run's actual, 128 times "
+    "narrower, width is in *Our run*.",
 ]
 
 
@@ -209,7 +316,8 @@ def markdown(table: str, blocks: list[tuple[str, list[dict]]]) -> str:
 
 _TEX_ESCAPES = {"\\": r"\textbackslash{}", "&": r"\&", "%": r"\%", "$": r"\$", "#": r"\#", "_": r"\_",
                 "{": r"\{", "}": r"\}", "~": r"\textasciitilde{}", "^": r"\textasciicircum{}",
-                "±": r"$\pm$", "Δ": r"$\Delta$", "—": "--", "ᵃ": r"\textsuperscript{a}", "−": "-"}  # fmt: skip
+                "±": r"$\pm$", "Δ": r"$\Delta$", "—": "--", "ᵃ": r"\textsuperscript{a}", "−": "-",
+                "÷": r"$\div$", "–": "--"}  # fmt: skip
 
 
 def tex_escape(text: str) -> str:
@@ -240,7 +348,8 @@ def write_csv(rows: list[dict], path: Path) -> None:
         writer.writerows(rows)
 
 
-def render_tables(runs: list[dict], published: list[dict], out_dir: Path, expected) -> dict[str, list]:
+def render_tables(runs: list[dict], published: list[dict], out_dir: Path, expected,
+                  data_missing: dict[str, str] | None = None) -> dict[str, list]:  # fmt: skip
     """Write table{1..5}.{md,tex,csv}; `expected(table, scale)` gives the preset's grid (grid.read_grid)."""
     from xmc_repro.report.grid import TABLES
 
@@ -249,7 +358,7 @@ def render_tables(runs: list[dict], published: list[dict], out_dir: Path, expect
     for table in TABLES:
         blocks = []
         for scale in scales_to_show(runs, table):
-            blocks.append((scale, table_rows(table, scale, runs, expected(table, scale), published)))
+            blocks.append((scale, table_rows(table, scale, runs, expected(table, scale), published, data_missing)))
         rows = [r for _, block in blocks for r in block]
         (out_dir / f"{table}.md").write_text(markdown(table, blocks))
         (out_dir / f"{table}.tex").write_text(latex(table, blocks))

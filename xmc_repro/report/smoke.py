@@ -1,10 +1,11 @@
-"""The `smoke_runs` stage: make sure the MLflow store holds smoke-scale runs of every table.
+"""`python -m xmc_repro.report smoke`: train the smoke sweeps of the tables (by hand; `dvc repro` never trains).
 
-A table without any finished smoke run gets its sweep run (`python -m xmc_repro -m experiment=<table>
-scale=smoke`); a table with runs is left alone (rerun a sweep by hand to refresh it). A sweep in which some jobs
-failed still counts: those configurations render as missing, and the marker file names the sweep. A sweep that
-leaves its table without a single finished run stops the stage. The marker records the finished smoke runs per
-table afterwards: what the tables were rendered from.
+Runs `python -m xmc_repro -m experiment=<table> scale=smoke` for each table, into the MLflow store, narrowed to
+the datasets whose files are here: a dataset read from files that are absent (Bibtex, Delicious outside a
+setup that has them) is reported once, as "missing: data not found at <path>", and written to
+results/data_missing.json, from which the tables show it the same way instead of as failed runs. The command
+exits non-zero when any job of a sweep failed. Afterwards `python -m xmc_repro.report records add` copies the
+finished runs into results/records.
 """
 
 from __future__ import annotations
@@ -15,50 +16,98 @@ import subprocess
 import sys
 from pathlib import Path
 
-from xmc_repro.report.export import finished_runs, tracking_uri
-from xmc_repro.report.grid import TABLES
-from xmc_repro.report.identity import configuration
+from xmc_repro.report.grid import TABLES, conf_dir, job_overrides
+from xmc_repro.report.records import PROJECT_ROOT, tracking_uri
 
-PROJECT_ROOT = Path(__file__).resolve().parents[2]
+DATA_MISSING = Path("results") / "data_missing.json"
 
 
 class SweepFailed(Exception):
-    """A table's smoke sweep finished no run at all."""
+    """Some job of a smoke sweep failed."""
 
 
-def smoke_counts(uri: str) -> dict[str, int]:
-    """Finished smoke-scale runs per table."""
-    counts = dict.fromkeys(TABLES, 0)
-    for run in finished_runs(uri):
-        config = configuration(run.data.params, run.data.tags)
-        if config["scale"] == "smoke" and config["table"] in counts:
-            counts[config["table"]] += 1
-    return counts
+def data_location(dataset_cfg) -> Path | None:
+    """Where a file-backed dataset's data must be (None for generated data), and whether it is there."""
+    from xmc_repro.data.sources import shared_data_root
+
+    if dataset_cfg.get("kind") == "synthetic":
+        return None
+    if dataset_cfg.get("data_dir"):
+        return Path(dataset_cfg["data_dir"]).expanduser().absolute()
+    if dataset_cfg.get("shared_subdir"):
+        return shared_data_root() / dataset_cfg["shared_subdir"]
+    return Path(".").absolute()
 
 
-def sweep_command(table: str, scale: str = "smoke") -> list[str]:
-    preset = [f"experiment={table}", f"scale={scale}", "trainer.progress_bar=false"]
+def data_present(dataset_cfg, location: Path) -> bool:
+    files = [dataset_cfg.get(key) for key in ("train_file", "test_file") if dataset_cfg.get(key)]
+    return location.is_dir() and all((location / name).is_file() for name in files)
+
+
+def dataset_choices(table: str, scale: str = "smoke") -> list[str]:
+    """The `dataset=` choices of a preset's sweep, in sweep order."""
+    choices = []
+    for job in job_overrides(table, scale):
+        for override in job:
+            if override.startswith("dataset=") and override[8:] not in choices:
+                choices.append(override[8:])
+    return choices
+
+
+def check_data(choices: list[str]) -> tuple[list[str], dict[str, str]]:
+    """(choices whose data is here, {dataset name: where its data was looked for} for the others)."""
+    from hydra import compose
+
+    present, missing = [], {}
+    with conf_dir():
+        for choice in choices:
+            dataset = compose("config", overrides=[f"dataset={choice}"]).dataset
+            location = data_location(dataset)
+            if location is None or data_present(dataset, location):
+                present.append(choice)
+            else:
+                missing[str(dataset.name)] = str(location)
+    return present, missing
+
+
+def sweep_command(table: str, datasets: list[str], scale: str = "smoke") -> list[str]:
+    preset = [f"experiment={table}", f"scale={scale}", "trainer.progress_bar=false", f"dataset={','.join(datasets)}"]
     return [sys.executable, "-m", "xmc_repro", "-m", *preset]
 
 
-def ensure_smoke_runs(marker: Path, uri: str | None = None, run=subprocess.run) -> dict[str, int]:
-    """Run the smoke sweep of every table without smoke runs; write the marker; return runs per table."""
+def run_smoke(tables=TABLES, uri: str | None = None, data_missing: Path = DATA_MISSING, run=subprocess.run) -> None:
+    """Run the smoke sweeps of `tables`; raises SweepFailed naming the tables whose sweep had failed jobs."""
     uri = absolute(tracking_uri(uri))
-    counts = smoke_counts(uri)
-    failed = []
-    for table in [table for table, n in counts.items() if n == 0]:
-        print(f"smoke_runs: no smoke runs of {table} in {uri}: {' '.join(sweep_command(table)[1:])}", flush=True)
-        if run(sweep_command(table), cwd=PROJECT_ROOT, env=_env(uri)).returncode != 0:
+    failed, missing_now, found = [], {}, set()
+    for table in tables:
+        choices = dataset_choices(table)
+        present, missing = check_data(choices)
+        for name, location in missing.items():
+            if name not in missing_now:
+                print(f"missing: data not found at {location} (dataset {name}; pass dataset.data_dir=DIR or set "
+                      "$XMC_SHARED_DATA); its runs are skipped", flush=True)  # fmt: skip
+        missing_now.update(missing)
+        found.update(present)
+        if not present:
+            continue
+        command = sweep_command(table, present)
+        print(f"smoke: {' '.join(command[1:])} -> {uri}", flush=True)
+        if run(command, cwd=PROJECT_ROOT, env={**os.environ, "MLFLOW_TRACKING_URI": uri}).returncode != 0:
             failed.append(table)
+    write_data_missing(data_missing, missing_now)
     if failed:
-        counts = smoke_counts(uri)
-        print(f"smoke_runs: some jobs of the sweeps of {', '.join(failed)} failed (see above); they render as missing")
-    marker.parent.mkdir(parents=True, exist_ok=True)
-    marker.write_text(json.dumps({"finished_smoke_runs": counts, "sweeps_with_failed_jobs": failed}, indent=2) + "\n")
-    empty = [table for table, n in counts.items() if n == 0]
-    if empty:
-        raise SweepFailed(f"the smoke sweeps of {', '.join(empty)} finished no run at all: the pipeline is broken")
-    return counts
+        raise SweepFailed(f"jobs of the smoke sweeps of {', '.join(failed)} failed (their errors are above); "
+                          "fix them and rerun, e.g. `python -m xmc_repro.report smoke --tables " + failed[0] + "`")
+
+
+def write_data_missing(path: Path, missing: dict[str, str]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(missing, sort_keys=True, indent=1) + "\n")
+
+
+def read_data_missing(path: Path) -> dict[str, str]:
+    """{dataset name: where its data was looked for}; an absent file means nothing is known missing."""
+    return json.loads(path.read_text()) if path.exists() else {}
 
 
 def absolute(uri: str) -> str:
@@ -67,7 +116,3 @@ def absolute(uri: str) -> str:
     if uri.startswith(prefix) and not uri.startswith(prefix + "/"):
         return prefix + str(Path(uri[len(prefix) :]).resolve())
     return uri
-
-
-def _env(uri: str) -> dict[str, str]:
-    return {**os.environ, "MLFLOW_TRACKING_URI": uri}

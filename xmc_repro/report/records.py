@@ -1,0 +1,126 @@
+"""Run records: one JSON file per finished run under results/records/, the only input of the report.
+
+A record holds what the tables need from an MLflow run — its params (the config flattened under its Hydra keys),
+final metrics, tags (table, scale, device, sparse_backend, git_commit, ...), status and times — as sorted,
+indented JSON, so that a reviewer reads a diff of results like a diff of code, and `dvc repro` renders the same
+tables on any clone. `add_from_store` copies the FINISHED table runs of an MLflow store into records (the file is
+named by the run id, so adding a store twice changes nothing).
+"""
+
+from __future__ import annotations
+
+import json
+from datetime import datetime, timezone
+from pathlib import Path
+
+from xmc_repro.errors import DataError
+
+PROJECT_ROOT = Path(__file__).resolve().parents[2]
+RECORDS_DIR = Path("results") / "records"
+DEFAULT_TRACKING_URI = "sqlite:///mlruns.db"  # as conf/logger/mlflow.yaml: relative to the working directory
+REQUIRED = ("run_id", "status", "params", "metrics", "tags")
+
+
+def iso_time(milliseconds: int | None) -> str:
+    """MLflow's epoch milliseconds as an ISO time in UTC ('' when unknown)."""
+    if not milliseconds:
+        return ""
+    return datetime.fromtimestamp(milliseconds / 1000, timezone.utc).isoformat(timespec="seconds")
+
+
+def record_of_run(run) -> dict:
+    """The record of an MLflow run. MLflow's own tags (`mlflow.user`, source paths) are left out."""
+    info, data = run.info, run.data
+    return {
+        "run_id": info.run_id,
+        "run_name": info.run_name or "",
+        "status": info.status,
+        "start_time": iso_time(info.start_time),
+        "end_time": iso_time(info.end_time),
+        "params": dict(data.params),
+        "metrics": dict(data.metrics),
+        "tags": {k: v for k, v in data.tags.items() if not k.startswith("mlflow.")},
+        "source": "mlflow",
+    }
+
+
+def dump(record: dict) -> str:
+    return json.dumps(record, sort_keys=True, indent=1, ensure_ascii=False) + "\n"
+
+
+def save(record: dict, directory: Path = RECORDS_DIR) -> str:
+    """Write `<run_id>.json`; returns 'new', 'updated' or 'unchanged'."""
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / f"{record['run_id']}.json"
+    text = dump(record)
+    if not path.exists():
+        state = "new"
+    elif path.read_text() == text:
+        return "unchanged"
+    else:
+        state = "updated"
+    path.write_text(text)
+    return state
+
+
+def load(directory: Path = RECORDS_DIR) -> list[dict]:
+    """Every record in `directory`, ordered by run id (a missing directory holds none)."""
+    records = []
+    for path in sorted(directory.glob("*.json")):
+        try:
+            record = json.loads(path.read_text())
+        except json.JSONDecodeError as error:
+            raise DataError(f"{path}: not valid JSON ({error}); restore it with `git checkout -- {path}`") from None
+        missing = [key for key in REQUIRED if key not in record] if isinstance(record, dict) else list(REQUIRED)
+        if missing:
+            raise DataError(f"{path}: not a run record (no {', '.join(missing)}); move it out of {directory}")
+        if path.stem != record["run_id"]:
+            raise DataError(f"{path}: holds run {record['run_id']}; rename it to {record['run_id']}.json")
+        records.append(record)
+    return records
+
+
+def tracking_uri(uri: str | None = None) -> str:
+    import os
+
+    return uri or os.environ.get("MLFLOW_TRACKING_URI") or DEFAULT_TRACKING_URI
+
+
+def finished_runs(uri: str) -> list:
+    """Every FINISHED run with a `table` tag, from every experiment of the store."""
+    from mlflow.entities import ViewType
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(uri)
+    experiment_ids = [e.experiment_id for e in client.search_experiments(view_type=ViewType.ALL)]
+    runs, token = [], None
+    while experiment_ids:
+        page = client.search_runs(
+            experiment_ids,
+            filter_string="attributes.status = 'FINISHED'",
+            run_view_type=ViewType.ACTIVE_ONLY,
+            max_results=1000,
+            page_token=token,
+        )
+        runs.extend(run for run in page if run.data.tags.get("table"))
+        token = page.token
+        if not token:
+            break
+    return runs
+
+
+def add_from_store(uri: str | None = None, directory: Path = RECORDS_DIR) -> dict[str, int]:
+    """Copy the FINISHED table runs of the store at `uri` into records; counts of new, updated, unchanged."""
+    uri = tracking_uri(uri)
+    _check_store(uri)
+    counts = {"new": 0, "updated": 0, "unchanged": 0}
+    for run in finished_runs(uri):
+        counts[save(record_of_run(run), directory)] += 1
+    return counts
+
+
+def _check_store(uri: str) -> None:
+    """A sqlite store that does not exist would be created empty by MLflow: refuse it instead."""
+    prefix = "sqlite:///"
+    if uri.startswith(prefix) and not Path(uri[len(prefix) :]).is_file():
+        raise DataError(f"{uri}: no such MLflow store; pass the store that holds the runs, e.g. sqlite:///gpu.db")
