@@ -5,13 +5,14 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import generator
 
 from xmc_repro.errors import ConfigError
-from xmc_repro.losses import bce_loss, build_loss, dense_targets, squared_hinge_loss
+from xmc_repro.losses import NonFiniteLossWatch, bce_loss, build_loss, dense_targets, squared_hinge_loss
 
 
 def random_batch(seed, b=7, L=13, dtype=torch.float32):
-    g = torch.Generator().manual_seed(seed)
+    g = generator(seed)
     scores = (torch.randn(b, L, generator=g, dtype=dtype) * 1.5).requires_grad_()
     lengths = torch.randint(0, 5, (b,), generator=g)
     lengths[0] = 0  # a point without labels
@@ -54,13 +55,54 @@ def test_squared_hinge_gradient_is_exactly_zero_beyond_the_margin():
 
 
 def test_repeated_labels_count_once():
-    scores = torch.randn(3, 6, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    scores = torch.randn(3, 6, dtype=torch.float64, generator=generator(0)).requires_grad_()
     ptr, idx = torch.tensor([0, 4, 5, 7]), torch.tensor([2, 2, 5, 2, 0, 1, 1])
     y = torch.zeros(3, 6, dtype=torch.float64)
     y[0, [2, 5]] = y[1, 0] = y[2, 1] = 1
     torch.testing.assert_close(dense_targets(ptr, idx, 6, dtype=torch.float64), y)
     for name in ("squared_hinge", "bce"):
-        torch.testing.assert_close(build_loss(name)(scores, ptr, idx), formula(name, scores, y))
+        loss, want = build_loss(name)(scores, ptr, idx), formula(name, scores, y)
+        torch.testing.assert_close(loss, want)
+        torch.testing.assert_close(*(torch.autograd.grad(v, scores)[0] for v in (loss, want)))
+
+
+def test_non_finite_loss_watch_on_the_cpu_reports_at_once():
+    watch = NonFiniteLossWatch(every=10)
+    assert watch.update(torch.tensor(0.5), step=0) is None
+    assert watch.update(torch.tensor(float("nan")), step=1) == (pytest.approx(float("nan"), nan_ok=True), 1)
+    assert watch.update(torch.tensor(float("inf")), step=2) == (float("inf"), 2)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_non_finite_loss_watch_on_a_gpu_reads_every_n_steps_and_names_the_first_bad_step():
+    watch = NonFiniteLossWatch(every=4)
+    losses = [0.5, 0.4, float("inf"), float("nan"), 0.1, 0.2, 0.3, 0.4]
+    torch.cuda.set_sync_debug_mode("error")  # a read of the loss between the checks would raise
+    try:
+        found = [watch.update(torch.tensor(v, device="cuda"), step=i) for i, v in enumerate(losses[:3])]
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert found == [None, None, None]
+    assert watch.update(torch.tensor(losses[3], device="cuda"), step=3) == (float("inf"), 2)
+    clean = NonFiniteLossWatch(every=100)
+    assert clean.update(torch.tensor(0.5, device="cuda"), step=0, flush=True) is None
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("name", ["squared_hinge", "bce"])
+def test_loss_on_the_gpu_never_waits_for_the_device(name):
+    scores, ptr, idx = random_batch(7, b=32, L=5000)
+    scores = scores.detach().cuda().requires_grad_()
+    ptr, idx = ptr.cuda(), idx.cuda()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        build_loss(name)(scores, ptr, idx).backward()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert scores.grad.shape == scores.shape
 
 
 @pytest.mark.parametrize("fn", [squared_hinge_loss, bce_loss])

@@ -20,12 +20,23 @@ _CHUNK = 1 << 22  # elements per slice when summing the all-negative part (caps 
 
 
 def positive_positions(label_ptr: torch.Tensor, label_idx: torch.Tensor, num_labels: int, device) -> torch.Tensor:
-    """Flat positions ``row * num_labels + label`` of the positive entries, unique (a repeated label counts once)."""
+    """Sorted flat positions ``row * num_labels + label`` of the positive entries, one per listed label.
+
+    A label listed twice for one row appears twice (``first_occurrences`` marks one of them). Every size here
+    is known on the host, so nothing waits for the device (``torch.unique`` would: its length is data).
+    """
     label_ptr = label_ptr.to(device=device, dtype=torch.long)
     label_idx = label_idx.to(device=device, dtype=torch.long)
     lengths = label_ptr[1:] - label_ptr[:-1]
     rows = torch.repeat_interleave(torch.arange(len(lengths), device=device), lengths, output_size=label_idx.numel())
-    return torch.unique(rows * num_labels + label_idx)
+    return torch.sort(rows * num_labels + label_idx).values
+
+
+def first_occurrences(positions: torch.Tensor) -> torch.Tensor:
+    """For sorted positions: True at the first of each run of equal values (a repeated label counts once)."""
+    first = torch.ones_like(positions, dtype=torch.bool)
+    first[1:] = positions[1:] != positions[:-1]
+    return first
 
 
 def dense_targets(label_ptr, label_idx, num_labels: int, device=None, dtype=torch.float32) -> torch.Tensor:
@@ -57,7 +68,9 @@ class _SquaredHinge(torch.autograd.Function):
     def forward(ctx, scores, positives):
         s_pos = scores.reshape(-1)[positives].to(_acc(scores))
         total = _rowwise_sum(scores, lambda s: (s + 1).clamp_(min=0).square_())
-        total = total + ((1 - s_pos).clamp(min=0).square() - (1 + s_pos).clamp(min=0).square()).sum()
+        correction = (1 - s_pos).clamp(min=0).square() - (1 + s_pos).clamp(min=0).square()
+        total = total + correction.where(first_occurrences(positives), 0).sum()
+        # Backward writes the same value at a repeated position: no need to drop repeats there.
         ctx.save_for_backward(scores, positives)
         return total / scores.numel()
 
@@ -76,7 +89,7 @@ class _BCE(torch.autograd.Function):
     @staticmethod
     def forward(ctx, scores, positives):
         s_pos = scores.reshape(-1)[positives].to(_acc(scores))
-        total = _rowwise_sum(scores, F.softplus) - s_pos.sum()
+        total = _rowwise_sum(scores, F.softplus) - s_pos.where(first_occurrences(positives), 0).sum()
         ctx.save_for_backward(scores, positives)
         return total / scores.numel()
 
@@ -86,7 +99,7 @@ class _BCE(torch.autograd.Function):
         scale = grad_out / scores.numel()
         grad = torch.sigmoid(scores).mul_(scale.to(scores.dtype))
         flat = grad.view(-1)
-        flat[positives] = flat[positives] - scale.to(grad.dtype)
+        flat[positives] = flat[positives] - scale.to(grad.dtype)  # gathered before written: repeats write once
         return grad, None
 
 
@@ -111,3 +124,37 @@ def build_loss(name: str):
     if name not in LOSSES:
         raise ConfigError(f"loss.name={name!r} is unknown; use one of {', '.join(LOSSES)} (e.g. loss=squared_hinge)")
     return LOSSES[name]
+
+
+class NonFiniteLossWatch:
+    """Finds the first NaN or Inf training loss without making the host wait for the device every step.
+
+    On a CPU the loss is checked at once. On a GPU, reading the loss would wait for the step's kernels (a
+    device-to-host sync per step); instead the first non-finite loss and its step are kept on the device and
+    read every ``every`` steps and whenever ``flush`` is set, so the run stops up to ``every - 1`` steps after
+    the bad one -- the report still names the step where the loss first became non-finite.
+    """
+
+    def __init__(self, every: int = 50):
+        self.every = every
+        self._step: torch.Tensor | None = None  # first bad step, -1 while none
+        self._value: torch.Tensor | None = None
+        self._unread = 0
+
+    def update(self, loss: torch.Tensor, step: int, flush: bool = False) -> tuple[float, int] | None:
+        """Record this step's loss; returns (loss value, step) of the first non-finite loss once it is read."""
+        loss = loss.detach()
+        if loss.device.type == "cpu":
+            return None if bool(torch.isfinite(loss)) else (loss.item(), step)
+        if self._step is None:
+            self._step = torch.full((), -1, dtype=torch.long, device=loss.device)
+            self._value = torch.zeros((), dtype=loss.dtype, device=loss.device)
+        new = torch.logical_and(~torch.isfinite(loss), self._step < 0)
+        self._step = torch.where(new, step, self._step)
+        self._value = torch.where(new, loss, self._value)
+        self._unread += 1
+        if self._unread < self.every and not flush:
+            return None
+        self._unread = 0
+        first = int(self._step)  # the one sync, every `every` steps
+        return None if first < 0 else (self._value.item(), first)

@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from xmc_repro.errors import ConfigError
-from xmc_repro.losses import build_loss
+from xmc_repro.losses import NonFiniteLossWatch, build_loss
 from xmc_repro.metrics import XMCMetrics
 
 HEADS = ("dense", "uniform", "unstructured", "bottleneck", "mach")
@@ -127,9 +127,15 @@ class XMCClassifier(pl.LightningModule):
         if self.is_mach:  # MACH trains its meta-classifiers on hashed labels
             label_ptr, label_idx = self.head.meta_labels(label_ptr, label_idx)
         loss = self.loss_fn(scores, label_ptr, label_idx)
-        if not torch.isfinite(loss):
+        # Checked at once on a CPU; on a GPU read every 50 steps and at an epoch's last batch (no per-step
+        # sync), so the run may stop up to 49 steps after the bad one -- the message names the bad step.
+        if getattr(self, "_loss_watch", None) is None:
+            self._loss_watch = NonFiniteLossWatch(every=50)
+        last = self._trainer is not None and self.trainer.is_last_batch
+        bad = self._loss_watch.update(loss, self.global_step, flush=last)
+        if bad is not None:
             raise NonFiniteLossError(
-                f"the training loss is {loss.item()} at step {self.global_step} (epoch {self.current_epoch}); "
+                f"the training loss is {bad[0]} at step {bad[1]} (epoch {self.current_epoch}); "
                 "lower trainer.lr or check the input features for extreme values"
             )
         self.log("train/loss", loss, prog_bar=True, on_step=True, on_epoch=True, batch_size=x.shape[0])
