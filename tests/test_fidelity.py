@@ -108,3 +108,22 @@ def test_tfidf_against_a_direct_computation():
         expected = np.divide(weighted, norms, out=np.zeros_like(weighted, dtype=float), where=norms > 0)
         np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-7)
         assert got.dtype == np.float32
+
+
+@pytest.mark.parametrize("stem,labels_per_point,points_per_label", [
+    ("smoke_amazon670k_cascade", 5.45, 3.99), ("smoke_wiki10_31k", 18.64, 8.52),
+    ("smoke_wikipedia500k_slice", 4.77, 24.75)])
+def test_stand_ins_have_the_label_statistics_of_their_datasets(stem, labels_per_point, points_per_label):
+    """Labels per point and training points per label as the XC repository lists them for the real dataset."""
+    from omegaconf import OmegaConf
+
+    from xmc_repro.data.synthetic import SyntheticModel, SyntheticSpec
+    from xmc_repro.resources import resource_dir
+
+    conf = resource_dir("conf") / "dataset"
+    cfg = OmegaConf.merge(OmegaConf.load(conf / "synthetic.yaml"), OmegaConf.load(conf / f"{stem}.yaml"))
+    spec = SyntheticSpec.from_config(cfg)
+    _, labels = SyntheticModel(spec).split("train")
+    pairs = len(labels.idx)
+    assert abs(pairs / spec.num_train / labels_per_point - 1) < 0.05
+    assert abs(pairs / spec.num_labels / points_per_label - 1) < 0.05
