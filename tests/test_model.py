@@ -5,8 +5,8 @@ from __future__ import annotations
 import lightning.pytorch as pl
 import pytest
 import torch
+from conftest import TINY, generator, quiet_trainer
 
-from tests.test_data_module import TINY
 from xmc_repro.checkpoints import all_finite
 from xmc_repro.data import build_datamodule
 from xmc_repro.model import XMCClassifier
@@ -24,18 +24,29 @@ def test_gradients_are_freed_after_each_optimizer_step(tmp_path):
     model = XMCClassifier(TINY["num_features"], TINY["num_labels"], head="uniform", connectivity=4, intermediate=32)
     before = [p.detach().clone() for p in model.parameters()]
     seen = _GradientsAfterStep()
-    trainer = pl.Trainer(max_steps=5, logger=False, enable_progress_bar=False, enable_model_summary=False,
-                         enable_checkpointing=False, num_sanity_val_steps=0, limit_val_batches=0,
-                         callbacks=[seen], default_root_dir=tmp_path)
+    trainer = quiet_trainer(tmp_path, max_steps=5, limit_val_batches=0, callbacks=[seen])
     trainer.fit(model, datamodule=build_datamodule(TINY, batch_size=16, seed=0))
     assert seen.live_gradients == [0] * 5
     assert all(not torch.equal(a, b.detach()) for a, b in zip(before, model.parameters()))  # every step applied
 
 
+@pytest.mark.parametrize("head", ["uniform", "dense"])
+def test_bf16_mixed_precision_trains_with_an_intermediate_layer(tmp_path, head):
+    """Autocast hands the last layer bf16 activations: the sparse op computes them in float32 (its weights')."""
+    torch.manual_seed(0)
+    model = XMCClassifier(TINY["num_features"], TINY["num_labels"], head=head, connectivity=4, intermediate=32)
+    before = [p.detach().clone() for p in model.parameters()]
+    trainer = quiet_trainer(tmp_path, max_steps=4, limit_val_batches=1, precision="bf16-mixed")
+    trainer.fit(model, datamodule=build_datamodule(TINY, batch_size=16, seed=0))
+    assert all(p.dtype == torch.float32 and torch.isfinite(p).all() for p in model.parameters())
+    assert all(not torch.equal(a, b.detach()) for a, b in zip(before, model.parameters()))
+    assert torch.isfinite(trainer.callback_metrics["train/loss"])
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.float64])
 @pytest.mark.parametrize("bad", [None, float("nan"), float("inf"), -float("inf")])
 def test_all_finite_agrees_with_isfinite(dtype, bad):
-    values = torch.randn(1001, generator=torch.Generator().manual_seed(0)).to(dtype)
+    values = torch.randn(1001, generator=generator(0)).to(dtype)
     if bad is not None:
         values[500] = bad
     assert all_finite(values) == bool(torch.isfinite(values).all()) == (bad is None)

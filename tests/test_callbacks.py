@@ -1,0 +1,76 @@
+"""The Rewiring callback in a real fit: Adam's moments are zeroed exactly at the rewired slots; epoch rewiring fires."""
+
+from __future__ import annotations
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from conftest import TINY, quiet_trainer
+
+from xmc_repro.callbacks import Rewiring
+from xmc_repro.data import build_datamodule
+from xmc_repro.model import XMCClassifier
+
+
+def _model(head: str) -> XMCClassifier:
+    # BCE: every output gradient is nonzero, so after a step both Adam moments are nonzero at every slot
+    return XMCClassifier(TINY["num_features"], TINY["num_labels"], head=head, connectivity=4, intermediate=32,
+                         loss="bce")
+
+
+class _Snapshot(pl.Callback):
+    """Copies the head's weights, sources and Adam moments at the end of the given optimizer step."""
+
+    def __init__(self, step: int):
+        self.step, self.taken = step, None
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if trainer.global_step == self.step:
+            head = pl_module.head
+            state = trainer.optimizers[0].state[head.weight]
+            self.taken = {"weight": head.weight.detach().clone(), "indices": head.indices.clone(),
+                          **{k: state[k].clone() for k in ("exp_avg", "exp_avg_sq")}}
+
+
+@pytest.mark.parametrize("head", ["uniform", "unstructured"])
+def test_adam_moments_are_zeroed_exactly_at_the_rewired_slots(tmp_path, head):
+    rewiring = Rewiring(0.2, every_n_steps=3, seed=1)
+    step = next(s for s in range(2, 10) if rewiring.due(s))  # a rewiring after real Adam steps
+    # Lightning runs a hook's callbacks in list order: one snapshot on each side of the rewiring
+    before, after = _Snapshot(step), _Snapshot(step)
+    trainer = quiet_trainer(tmp_path, max_steps=step, limit_val_batches=0, callbacks=[before, rewiring, after])
+    trainer.fit(_model(head), datamodule=build_datamodule(TINY, batch_size=16, seed=0))
+    a, b = before.taken, after.taken
+    assert torch.equal(a["weight"], b["weight"])  # values are kept
+    n = a["weight"].numel()
+    for key in ("exp_avg", "exp_avg_sq"):
+        assert (a[key] != 0).all()
+    zeroed = (b["exp_avg"] == 0).view(-1)
+    assert torch.equal(zeroed, (b["exp_avg_sq"] == 0).view(-1))
+    # the zeroed slots are the globally lowest |w| (a prefix of the magnitude order), about the fraction
+    order = a["weight"].abs().view(-1).argsort()
+    count = int(zeroed.sum())
+    assert abs(count - 0.2 * n) <= 1 and zeroed[order[:count]].all()
+    for key in ("exp_avg", "exp_avg_sq"):  # nothing else is touched
+        torch.testing.assert_close(b[key].view(-1)[~zeroed], a[key].view(-1)[~zeroed], rtol=0, atol=0)
+    moved = a["indices"] != b["indices"]
+    moved = moved.view(-1) if head == "uniform" else moved.any(0)
+    assert moved.any() and zeroed[moved].all()  # every slot given a new source starts with fresh moments
+
+
+def test_epoch_rewiring_fires_at_every_epoch_start_but_the_first(tmp_path):
+    rewiring = Rewiring(0.25, every_epoch=True, seed=2)
+    model = _model("uniform")
+    seen = []
+
+    class _Sources(pl.Callback):  # after Rewiring in the list: sees each epoch's sources once rewired
+        def on_train_epoch_start(self, trainer, pl_module):
+            seen.append(pl_module.head.indices.clone())
+
+    trainer = quiet_trainer(tmp_path, max_epochs=3, limit_train_batches=3, limit_val_batches=1,
+                            callbacks=[rewiring, _Sources()])
+    trainer.fit(model, datamodule=build_datamodule(TINY, batch_size=16, seed=0))
+    assert rewiring.rewirings == 2
+    assert not torch.equal(seen[0], seen[1]) and not torch.equal(seen[1], seen[2])
+    step_only = Rewiring(0.25, every_n_steps=None, every_epoch=False)
+    assert not any(step_only.due(s) for s in range(1, 100))
