@@ -33,14 +33,20 @@ def print_summary(cfg: DictConfig, results: dict) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    table = Table(title=f"{cfg.dataset.name}: {cfg.model.head} head", show_header=True)
+    from xmc_repro.describe import selection, title
+
+    table = Table(show_header=True)
     table.add_column("split")
     for k in (1, 3, 5):
         table.add_column(f"P@{k}", justify="right")
     for split in ("test", "train"):
         table.add_row(split, *(f"{results[f'{split}/p_at_{k}']:.2f}" for k in (1, 3, 5)))
     console = Console()
+    console.print(title(cfg), style="bold", markup=False, highlight=False)
     console.print(table)
+    chosen = selection(cfg)
+    if chosen:
+        console.print(chosen, markup=False, highlight=False)
     memory = results.get("peak_gpu_memory_gib")
     # Not wrapped at the console width: the UI command must stay one line to copy.
     console.print(
@@ -69,16 +75,18 @@ def _sweep_job() -> str | None:
 
 @hydra.main(version_base="1.3", config_path=str(resource_dir("conf")), config_name="config")
 def _task(cfg: DictConfig):
-    from xmc_repro.train import failure_message, interruption, run
-
     try:
+        from xmc_repro.console import quiet
+        from xmc_repro.train import run
+
+        quiet()
         results = run(cfg)
     except Exception as error:  # not KeyboardInterrupt: Ctrl+C stops a whole sweep
         if full_errors():
             raise
         job = _sweep_job()
-        known = _explained(error)
-        message = getattr(error, "run_failure", None) or failure_message(error)
+        known = isinstance(error, UserError) or _explained(error)
+        message = getattr(error, "run_failure", None) or _failure_message(error)
         if job is None:
             if not known:
                 raise  # a bug: Hydra prints the traceback
@@ -92,6 +100,8 @@ def _task(cfg: DictConfig):
     except (KeyboardInterrupt, SystemExit) as error:  # Ctrl+C or SIGTERM: the run is FAILED; stop (a sweep too)
         if full_errors() or not hasattr(error, "run_failure"):
             raise
+        from xmc_repro.train import interruption
+
         print(f"error: {error.run_failure}", file=sys.stderr)
         code = getattr(error, "code", None)
         fallback = code if isinstance(code, int) and code else 1
@@ -99,6 +109,14 @@ def _task(cfg: DictConfig):
     if results:  # empty on DDP ranks other than 0, which record and report nothing
         print_summary(cfg, results)
     return results
+
+
+def _failure_message(error: BaseException) -> str:
+    if isinstance(error, UserError):  # without loading torch for it: settings errors come before training
+        return " ".join(str(error).split())
+    from xmc_repro.train import failure_message
+
+    return failure_message(error)
 
 
 def _explained(error: BaseException) -> bool:
@@ -129,6 +147,8 @@ def _one_line_hydra_errors() -> None:
     from hydra._internal import utils as hydra_utils
     from hydra.errors import CompactHydraException, MissingConfigException
 
+    from xmc_repro.cli import closest, unknown_setting
+
     original = hydra_utils.run_and_report
     if getattr(original, "one_line", False):
         return
@@ -142,7 +162,11 @@ def _one_line_hydra_errors() -> None:
             text = str(error)
             options = getattr(error, "options", None)
             if isinstance(error, MissingConfigException) and options:  # its text lists them over many lines
-                text = f"{text.strip().splitlines()[0]}; choose one of: {', '.join(options)}"
+                match = closest(getattr(error, "missing_cfg_file", "").rpartition("/")[2], options)
+                hint = f"did you mean '{match}'? " if match else ""
+                text = f"{text.strip().splitlines()[0]}; {hint}choose one of: {', '.join(options)}"
+            elif unknown_setting(error):  # Hydra's own text suggests `+key=...`, which adds a key nothing reads
+                text = unknown_setting(error)
             elif error.__cause__ is not None:
                 text += f" ({error.__cause__})"
             print(f"error: {' '.join(text.split())}", file=sys.stderr)
@@ -159,6 +183,11 @@ def _reraise(error: BaseException):
 
 
 def main() -> None:
+    if any(arg in ("--help", "-h") for arg in sys.argv[1:]):  # ours, not Hydra's: what the tool does, its groups
+        from xmc_repro.cli import help_text
+
+        print(help_text(), end="")
+        return
     _one_line_hydra_errors()
     if os.environ.get(FAILURES_ENV):  # started by a sweep's own process (a launcher's job): that one reports
         _task()

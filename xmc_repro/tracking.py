@@ -16,7 +16,11 @@ need no tracking server process that would have to outlive every job. A team tha
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
+import json
 import logging
+import os
 import platform
 import random
 import subprocess
@@ -25,7 +29,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from lightning.pytorch.loggers import MLFlowLogger
-from mlflow.entities import Metric, Param, RunTag
+from mlflow.entities import Dataset, DatasetInput, InputTag, Metric, Param, RunTag
 from mlflow.exceptions import MlflowException
 from mlflow.tracking import MlflowClient
 from omegaconf import DictConfig, OmegaConf
@@ -42,6 +46,9 @@ MAX_PARAM_CHARS = 6000  # MLflow's limit on a param value
 RETRY_SECONDS = 600.0  # give up on a locked store after this long
 _CONTENTION = ("database is locked", "database table is locked", "database schema has changed")
 _jitter = random.Random()  # its own generator: retries must not move the global RNG that training uses
+TAG_KEYS = ("table", "scale")  # config keys recorded as tags (what the report filters on), not as params
+# Without this experiment tag MLflow 3's UI opens an experiment on its (empty) GenAI overview, not the runs table.
+EXPERIMENT_KIND = ("mlflow.experimentKind", "custom_model_development")
 
 
 def is_contention(error: BaseException) -> bool:
@@ -145,6 +152,8 @@ class RunTracker:
             self.experiment_id = with_retries(self._experiment, experiment_name)
         if run_id is None:
             run_id = with_retries(self.client.create_run, self.experiment_id, run_name=run_name).info.run_id
+            if run_name:  # a piece of the id keeps names unique when a configuration runs again
+                with_retries(self.client.update_run, run_id, name=f"{run_name} {run_id[:4]}")
         else:
             self._reopen(run_id)
         self.run_id = run_id
@@ -152,9 +161,11 @@ class RunTracker:
     def _experiment(self, name: str) -> str:
         experiment = self.client.get_experiment_by_name(name)
         if experiment:
+            if EXPERIMENT_KIND[0] not in experiment.tags:  # made by an older version or another tool
+                self.client.set_experiment_tag(experiment.experiment_id, *EXPERIMENT_KIND)
             return experiment.experiment_id
         try:
-            return self.client.create_experiment(name)
+            return self.client.create_experiment(name, tags=dict([EXPERIMENT_KIND]))
         except MlflowException as error:  # another job of the sweep created it meanwhile (a tracking server)
             if error.error_code != "RESOURCE_ALREADY_EXISTS":
                 raise
@@ -180,7 +191,8 @@ class RunTracker:
         return with_retries(self.client.get_run, self.run_id).info.status
 
     def log_config(self, cfg: DictConfig, tags: dict[str, str]) -> None:
-        params = [Param(k, v) for k, v in flatten(cfg).items()]
+        """Params: the resolved config flattened with `/`, once each; `table` and `scale` go to `tags`."""
+        params = [Param(k, v) for k, v in flatten(cfg).items() if k not in TAG_KEYS]
         existing = with_retries(self.client.get_run, self.run_id).data.params
         params = [p for p in params if p.key not in existing]  # a resumed run keeps its params
         for start in range(0, len(params), 100):  # MLflow's batch limit
@@ -210,8 +222,76 @@ class RunTracker:
         self.set_tags(extra)
         with_retries(self.client.set_terminated, self.run_id, status)
 
+    def log_dataset(self, dataset_cfg: DictConfig, datamodule) -> None:
+        """The data as an MLflow dataset input (the runs table's Dataset column): name, digest, sizes."""
+        existing = with_retries(self.client.get_run, self.run_id).inputs.dataset_inputs
+        if existing:  # a resumed run logged it already
+            return
+        entity = dataset_entity(dataset_cfg, datamodule)
+        context = InputTag("mlflow.data.context", "training")
+        with_retries(self.client.log_inputs, self.run_id, [DatasetInput(entity, [context])])
+
     def ui_command(self) -> str:
         return f"mlflow ui --backend-store-uri {self.tracking_uri}"
+
+    def runs_table_url(self) -> str:
+        """The experiment's runs table: on the tracking server itself, or on a local `mlflow ui`."""
+        base = self.tracking_uri if self._served() else UI_ADDRESS
+        return f"{base.rstrip('/')}/#/experiments/{self.experiment_id}/runs"
+
+    def browse_hint(self) -> str:
+        """How to look at the runs: the runs table's address (after starting `mlflow ui` for a local store)."""
+        if self._served():
+            return self.runs_table_url()
+        return f"{self.ui_command()}, then open {self.runs_table_url()}"
+
+    def _served(self) -> bool:
+        return self.tracking_uri.startswith(("http://", "https://"))
+
+
+UI_ADDRESS = "http://127.0.0.1:5000"  # where `mlflow ui` serves by default
+
+
+def _files_read(datamodule) -> list[Path]:
+    """The data files behind the splits: each split's `source` names its file(s), joined by ' + '."""
+    files = []
+    for split in (datamodule.train_split, datamodule.test_split):
+        files += [Path(part) for part in split.source.split(" + ") if Path(part).is_file()]
+    return files
+
+
+def dataset_entity(dataset_cfg: DictConfig, datamodule) -> Dataset:
+    """An MLflow dataset whose digest tells data apart: the bytes of the files read, or for synthetic data
+    its generating settings (two copies of "the same" dataset that differ in content get different digests)."""
+    from mlflow.data.code_dataset_source import CodeDatasetSource
+    from mlflow.data.meta_dataset import MetaDataset
+    from mlflow.data.sources import LocalArtifactDatasetSource
+
+    from xmc_repro.describe import dataset_label
+
+    plain = OmegaConf.to_container(dataset_cfg, resolve=True)
+    digest = hashlib.sha256()
+    if plain.get("kind") == "synthetic":
+        from xmc_repro.data.synthetic import SyntheticSpec
+
+        settings = dataclasses.asdict(SyntheticSpec.from_config(plain))
+        digest.update(json.dumps(settings, sort_keys=True).encode())
+        source = CodeDatasetSource({"generator": "xmc_repro.data.synthetic", **{k: str(v) for k, v in settings.items()}})
+    else:
+        files = _files_read(datamodule)
+        for path in files:
+            with open(path, "rb") as handle:
+                digest.update(hashlib.file_digest(handle, "sha256").digest())
+        source = LocalArtifactDatasetSource(os.path.commonpath([str(f.absolute()) for f in files]) if files else "")
+    profile = {
+        "train_points": datamodule.train_split.num_points,
+        "test_points": datamodule.test_split.num_points,
+        "features": datamodule.num_features,
+        "labels": datamodule.num_labels,
+    }
+    # MLflow's convention: an 8-character digest.
+    fields = MetaDataset(source, name=dataset_label(plain), digest=digest.hexdigest()[:8]).to_dict()
+    return Dataset(**fields, profile=json.dumps(profile))
 
 
 class _RunOwnedMLFlowLogger(MLFlowLogger):
@@ -221,7 +301,9 @@ class _RunOwnedMLFlowLogger(MLFlowLogger):
         with_retries(super().log_metrics, metrics, step)
 
     def log_hyperparams(self, params) -> None:
-        with_retries(super().log_hyperparams, params)
+        # RunTracker.log_config records the whole config under its Hydra keys; the module's hyperparameters
+        # (`lr`, `connectivity`, ...) would log the same settings a second time under other names.
+        pass
 
     def finalize(self, status: str = "success") -> None:
         # Flush nothing special; the status is set by RunTracker.finish once testing is done too.

@@ -12,13 +12,15 @@ from pathlib import Path
 
 import lightning.pytorch as pl
 import torch
-from lightning.pytorch.callbacks import EarlyStopping, ModelCheckpoint, RichProgressBar
+from lightning.pytorch.callbacks import EarlyStopping, ModelCheckpoint
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
 from xmc_repro import checkpoints
 from xmc_repro.callbacks import EpochTime, PeakMemory, Rewiring
+from xmc_repro.console import EpochLine, ProgressBar
 from xmc_repro.data import build_datamodule
+from xmc_repro.describe import run_name
 from xmc_repro.distributed import launch_problem, launch_rank
 from xmc_repro.errors import ConfigError, UserError
 from xmc_repro.metrics import inverse_propensity
@@ -134,8 +136,7 @@ def build_callbacks(cfg: DictConfig, checkpoint_dir: Path, info: dict | None = N
         ),
         "last": checkpoints.LastCheckpoint(checkpoint_dir, t.get("checkpoint_every_n_steps"), info),
     }
-    if t.progress_bar:
-        callbacks["progress"] = RichProgressBar()
+    callbacks["progress"] = ProgressBar() if t.progress_bar else EpochLine()  # the latter: one line per epoch
     return callbacks
 
 
@@ -168,7 +169,7 @@ def open_run(cfg: DictConfig, run_id: str | None) -> RunTracker:
     """A new MLflow run, or the one `resume` continues; ConfigError (one line) if the store cannot be used."""
     uri = cfg.logger.tracking_uri
     try:
-        return RunTracker(uri, cfg.logger.experiment_name, run_id=run_id)
+        return RunTracker(uri, cfg.logger.experiment_name, run_id=run_id, run_name=run_name(cfg))
     except UserError:
         raise
     except Exception as error:
@@ -218,6 +219,8 @@ def _fit_and_test(cfg, tracker, checkpoint_dir: Path, resume_from: Path | None, 
         eval_batch_size=int(cfg.trainer.eval_batch_size),
     )
     dm.setup("fit")
+    if tracker is not None:
+        tracker.log_dataset(cfg.dataset, dm)
     model = build_model(cfg, dm)
 
     info = {"config": OmegaConf.to_yaml(cfg, resolve=True), "run_id": tracker.run_id if tracker else None}
@@ -275,6 +278,6 @@ def _fit_and_test(cfg, tracker, checkpoint_dir: Path, resume_from: Path | None, 
     tracker.log_metrics(results)
     tracker.finish("FINISHED")
     results["run_id"] = tracker.run_id
-    results["ui"] = tracker.ui_command()
+    results["ui"] = tracker.browse_hint()
     results["device"] = device_name(device)
     return results

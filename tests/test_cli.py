@@ -1,0 +1,89 @@
+"""The command line as a user meets it: typos refused with a suggestion, a help that says what the tool does,
+and a sweep whose MLflow runs read well (distinct names, every param once, the dataset recorded) while the
+console prints one line per epoch and nothing a user cannot act on."""
+
+from __future__ import annotations
+
+import pytest
+
+from test_reliability_common import cli, runs, stderr_lines
+
+# One job trains 2 batches of one epoch on a tiny synthetic set.
+TINIEST = [
+    "dataset.num_train=64", "dataset.num_test=32", "dataset.num_features=16", "dataset.num_labels=24",
+    "dataset.latent_dim=4", "model.connectivity=4", "trainer.batch_size=16", "trainer.max_epochs=1",
+    "trainer.limit_train_batches=2", "trainer.train_eval_max_points=32", "trainer.progress_bar=false",
+]
+
+
+@pytest.mark.parametrize(
+    "typo, line",
+    [
+        ("modle=uniform", "error: unknown setting 'modle'; did you mean 'model'?"),
+        ("model.conectivity=16", "error: unknown setting 'model.conectivity'; did you mean 'model.connectivity'?"),
+        ("experimnt=table1", "error: unknown setting 'experimnt'; did you mean 'experiment'?"),
+    ],
+)
+def test_a_mistyped_key_gets_one_line_with_a_suggestion_and_exit_2(tmp_path, typo, line):
+    result = cli(tmp_path, [typo], timeout=60)
+    assert result.returncode == 2, result.stderr
+    assert stderr_lines(result.stderr) == [line]
+    assert "+" not in result.stderr  # never Hydra's hint to append the typo as a new key
+    assert not runs(tmp_path)
+
+
+def test_a_key_without_any_close_match_lists_the_keys_there(tmp_path):
+    result = cli(tmp_path, ["model.zzz=1"], timeout=60)
+    assert result.returncode == 2
+    [line] = stderr_lines(result.stderr)
+    assert line.startswith("error: unknown setting 'model.zzz'; model has: head, connectivity, intermediate")
+
+
+def test_a_mistyped_choice_gets_a_suggestion(tmp_path):
+    result = cli(tmp_path, ["model=unifrom"], timeout=60)
+    assert result.returncode == 2
+    [line] = stderr_lines(result.stderr)
+    assert "did you mean 'uniform'?" in line and "choose one of: bottleneck, dense" in line
+
+
+def test_help_says_what_the_tool_does_and_lists_the_user_groups(tmp_path):
+    result = cli(tmp_path, ["--help"], timeout=60)
+    assert result.returncode == 0
+    text = result.stdout
+    assert "extreme multi-label classifier" in text and "MLflow run" in text
+    for group in ("dataset", "model", "loss", "trainer", "experiment", "scale"):
+        assert f"\n  {group} " in text
+    assert "synthetic (default)" in text and "uniform (default)" in text
+    assert "experiment/grid" not in text and "experiment/row" not in text and "powered by Hydra" not in text
+
+
+def test_a_sweep_of_20_runs_reads_well_in_mlflow_and_on_the_console(tmp_path):
+    sweep = ["seed=0,1,2,3,4", "model=uniform,dense", "model.intermediate=null,8"]
+    result = cli(tmp_path, [*TINIEST, *sweep], multirun=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    found = runs(tmp_path)
+    assert len(found) == 20 and {r.info.status for r in found} == {"FINISHED"}
+
+    names = [r.info.run_name for r in found]
+    assert len(set(names)) == 20, names
+    # Without the run-id piece at its end a name still tells the 20 configurations apart.
+    assert len({name.rsplit(" ", 1)[0] for name in names}) == 20
+    assert "Synthetic uniform-4 int-8 squared_hinge seed3" in {name.rsplit(" ", 1)[0] for name in names}
+
+    for run in found:
+        params = run.data.params
+        # Each setting once, under its Hydra key: no Lightning copies such as `lr` beside `trainer/lr`.
+        assert not {"lr", "connectivity", "head", "loss", "num_labels"} & set(params)
+        assert {"trainer/lr", "model/connectivity", "model/head", "loss/name", "seed"} <= set(params)
+        assert not {"table", "scale"} & set(params)  # tags, when set
+        [data] = run.inputs.dataset_inputs
+        assert data.dataset.name == "Synthetic" and len(data.dataset.digest) == 8
+    assert len({r.inputs.dataset_inputs[0].dataset.digest for r in found}) == 1  # the same data in every job
+
+    epoch_lines = [line for line in result.stdout.splitlines() if line.startswith("epoch 1/1  loss ")]
+    assert len(epoch_lines) == 20 and all(" val P@1 " in line and "  lr " in line for line in epoch_lines)
+    console = result.stdout + result.stderr
+    assert "Tip" not in console and "logging interval" not in console and "LeafSpec" not in console
+    assert "[lightning" not in console  # Lightning's lines are not repeated through Hydra's logger
+    assert console.count("/#/experiments/") == 20  # each summary links the runs table
+

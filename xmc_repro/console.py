@@ -1,0 +1,101 @@
+"""What a run prints while it trains: a progress bar that fits 80 columns, or one line per epoch.
+
+`quiet()` keeps Lightning's messages to one line each and drops the lines a user can do nothing about: its
+advertising tips and warnings about its own logging cadence or deprecations inside Lightning.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import warnings
+
+import lightning.pytorch as pl
+from rich.progress import BarColumn
+from lightning.pytorch.callbacks import RichProgressBar
+from lightning.pytorch.callbacks.progress.rich_progress import ProcessingSpeedColumn, RichProgressBarTheme
+
+# (metric Lightning logs, what the console calls it)
+SHOWN = (("train/loss_step", "loss"), ("val/p_at_3", "val P@3"))
+# Warnings nobody running this tool can act on (Lightning's internals, not the user's settings).
+UNACTIONABLE = (
+    r".*is smaller than the logging interval.*",  # short epochs: per-step loss then reaches MLflow once an epoch
+    r".*isinstance\(treespec, LeafSpec\)` is deprecated.*",  # Lightning vs. a newer torch
+)
+
+
+class _NoTips(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith("💡 Tip")
+
+
+def quiet() -> None:
+    """One line per Lightning message (not also through Hydra's root handler), no tips, no unactionable warnings."""
+    # Lightning gives the `lightning` logger a handler of its own (`INFO: ...`) and lets records propagate to the
+    # root logger too, which Hydra has also given a console handler: every message came out twice.
+    logging.getLogger("lightning").propagate = False
+    rank_zero = logging.getLogger("lightning.pytorch.utilities.rank_zero")
+    if not any(isinstance(f, _NoTips) for f in rank_zero.filters):
+        rank_zero.addFilter(_NoTips())
+    for pattern in UNACTIONABLE:
+        warnings.filterwarnings("ignore", message=pattern)
+
+
+class ProgressBar(RichProgressBar):
+    """Lightning's rich bar fitted to 80 columns: two short metrics, no batches-per-second column, no `v_num`
+    (the tail of the MLflow run id, which the end-of-run summary prints whole); epochs counted from 1."""
+
+    def __init__(self):
+        super().__init__(theme=RichProgressBarTheme(metrics_format=".3g"))
+
+    def configure_columns(self, trainer) -> list:
+        columns = [c for c in super().configure_columns(trainer) if not isinstance(c, ProcessingSpeedColumn)]
+        for column in columns:
+            if isinstance(column, BarColumn):
+                column.bar_width = 16  # rich would give the bar the metrics' room
+        return columns
+
+    def get_metrics(self, trainer, pl_module):
+        metrics = super().get_metrics(trainer, pl_module)
+        return {label: metrics[key] for key, label in SHOWN if key in metrics}
+
+    def _get_train_description(self, current_epoch: int) -> str:
+        total = f"/{self.trainer.max_epochs}" if self.trainer.max_epochs is not None else ""
+        return f"{f'Epoch {current_epoch + 1}{total}':{len(self.validation_description)}}"
+
+
+def _value(metrics: dict, key: str) -> float | None:
+    value = metrics.get(key)
+    return None if value is None else float(value)
+
+
+class EpochLine(pl.Callback):
+    """With the progress bar off (logs, cluster jobs): one line per epoch, printed once validation is done:
+    `epoch 3/8  loss 0.412  val P@1 41.20 P@3 30.15 P@5 24.02  lr 1.0e-03  12.3 s`."""
+
+    def __init__(self):
+        self._start = None
+        self._losses: list[float] = []
+
+    def on_train_epoch_start(self, trainer, pl_module):
+        self._start, self._losses = time.perf_counter(), []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
+        if loss is not None:
+            self._losses.append(float(loss))
+
+    def on_train_epoch_end(self, trainer, pl_module):
+        if trainer.global_rank != 0 or self._start is None:
+            return
+        metrics = trainer.callback_metrics
+        parts = [f"epoch {trainer.current_epoch + 1}/{trainer.max_epochs}"]
+        if self._losses:
+            parts.append(f"loss {sum(self._losses) / len(self._losses):.4f}")
+        p_at = [(k, _value(metrics, f"val/p_at_{k}")) for k in (1, 3, 5)]
+        if any(v is not None for _, v in p_at):
+            parts.append("val " + " ".join(f"P@{k} {v:.2f}" for k, v in p_at if v is not None))
+        if trainer.optimizers:
+            parts.append(f"lr {trainer.optimizers[0].param_groups[0]['lr']:.1e}")
+        parts.append(f"{time.perf_counter() - self._start:.1f} s")
+        print("  ".join(parts), flush=True)

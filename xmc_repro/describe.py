@@ -1,0 +1,65 @@
+"""What a run is, in words: its MLflow run name and the title of its end-of-run summary.
+
+Both name the dataset and the whole model (head with its size, intermediate layer, loss), so that runs of
+one sweep can be told apart in the MLflow runs table and on the console. Reads only the composed config;
+settings it does not find are left out.
+"""
+
+from __future__ import annotations
+
+from omegaconf import DictConfig, OmegaConf
+
+
+def dataset_label(dataset) -> str:
+    """`Amazon-670K slice`: the features only where one dataset comes with several (slice | cascade)."""
+    name, features = dataset["name"], dataset.get("features")
+    return f"{name} {features}" if features in ("slice", "cascade") else str(name)
+
+
+def _head(cfg: DictConfig, short: bool) -> str:
+    head = OmegaConf.select(cfg, "model.head")
+    size = {
+        "uniform": ("model.connectivity", "{}", "{} connections per label"),
+        "unstructured": ("model.connectivity", "{}", "{} connections per label"),
+        "bottleneck": ("model.bottleneck", "{}", "{} units"),
+        "mach": ("model.mach.num_hashes", "{}x{}", "{} hashes x {} buckets"),
+    }.get(head)
+    values = [OmegaConf.select(cfg, size[0])] if size else []
+    if head == "mach":
+        values.append(OmegaConf.select(cfg, "model.mach.num_buckets"))
+    if not values or None in values:
+        return str(head) if short else f"{head} head"
+    return f"{head}-{size[1].format(*values)}" if short else f"{head} head, {size[2].format(*values)}"
+
+
+def run_name(cfg: DictConfig) -> str:
+    """`Synthetic uniform-32 int-256 squared_hinge seed0` (the tracker appends a piece of the run id)."""
+    intermediate = OmegaConf.select(cfg, "model.intermediate")
+    return " ".join(
+        [dataset_label(cfg.dataset), _head(cfg, short=True), f"int-{intermediate}" if intermediate else "no-int",
+         str(OmegaConf.select(cfg, "loss.name")), f"seed{OmegaConf.select(cfg, 'seed')}"]
+    )
+
+
+def title(cfg: DictConfig) -> str:
+    """`Synthetic: uniform head, 32 connections per label, intermediate layer 256, squared_hinge loss, seed 0`."""
+    parts = [_head(cfg, short=False)]
+    if OmegaConf.select(cfg, "model.intermediate"):
+        parts.append(f"intermediate layer {cfg.model.intermediate}")
+    elif OmegaConf.select(cfg, "model") is not None and "intermediate" in cfg.model:
+        parts.append("no intermediate layer")
+    if OmegaConf.select(cfg, "loss.name"):
+        parts.append(f"{cfg.loss.name} loss")
+    if OmegaConf.select(cfg, "seed") is not None:
+        parts.append(f"seed {cfg.seed}")
+    return f"{dataset_label(cfg.dataset)}: {', '.join(parts)}"
+
+
+def selection(cfg: DictConfig) -> str | None:
+    """Which split chose the reported epoch and stopped training (None when the config does not say)."""
+    split = OmegaConf.select(cfg, "validate_on")
+    if split == "test":  # the early-stopping and LR-halving monitor too, see conf/trainer/default.yaml
+        return "epoch chosen on test P@3 (validate_on=test, the authors' protocol)"
+    if split == "holdout":
+        return "epoch chosen on P@3 of a held-out part of train (validate_on=holdout)"
+    return None
