@@ -1,10 +1,13 @@
 """Benchmark of the sparse last layer: ``python -m xmc_repro.bench [--full] [--device cuda] [--out results/bench]``.
 
+``--model`` benchmarks the whole model's training step instead (``xmc_repro/bench_model.py``).
+
 For each shape (labels, inputs, connectivity, batch) and output-gradient kind (``hinge``: about 1 %
 nonzero, as squared hinge leaves them; ``bce``: dense) it times forward, backward-input,
-backward-weight, forward+both backward, and a whole step with Adam, for: our compiled op, our
-pure-torch reference, torch CSR (cuSPARSE forward, ``sampled_addmm`` weight gradient), torch COO
-with autograd, and a dense ``nn.Linear``. Each time is also given as a multiple of its bandwidth
+backward-weight, forward+both backward, and a whole step with Adam (through autograd: our op, COO,
+dense), for: our compiled op, the pure-torch reference kernels, torch CSR (cuSPARSE forward,
+``sampled_addmm`` weight gradient), torch COO with autograd, and a dense ``nn.Linear``. Each time
+is also given as a multiple of its bandwidth
 floor: the bytes that must move (indices, weights, inputs and gradients read once, results written
 once; for hinge gradients only the labels with a nonzero gradient need their indices/weights)
 over the device's measured copy bandwidth. Peak memory is what a phase allocates beyond its inputs.
@@ -20,11 +23,12 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import warnings
+
 import torch
 
 from xmc_repro.sparse import op as sparse_op
 from xmc_repro.sparse import reference
-from xmc_repro.sparse.layers import _CsrLinear, _Structure
 from xmc_repro.sparse.rewire import redraw_sources
 
 PHASES = ("forward", "backward_input", "backward_weight", "fwd+bwd", "step+adam")
@@ -140,18 +144,6 @@ def floor_bytes(case: Case, active: float) -> dict[str, float]:
 # ---------------------------------------------------------------- the methods
 
 
-class _Reference(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, idx, w, b):
-        ctx.save_for_backward(x, idx, w)
-        return reference.forward(x, idx, w, b)
-
-    @staticmethod
-    def backward(ctx, g):
-        x, idx, w = ctx.saved_tensors
-        return reference.backward_input(g, idx, w, x.shape[1]), None, reference.backward_weight(g, x, idx), g.sum(0)
-
-
 def _adam(params, device):
     return torch.optim.Adam(params, lr=1e-3, fused=device.type == "cuda")
 
@@ -164,43 +156,45 @@ def _step(loss_fn, opt, grad):
     return run
 
 
+def _csr_pair(rows, cols, values, shape):
+    """W and W^T as torch CSR tensors (through COO, which sorts the entries)."""
+    coo = torch.sparse_coo_tensor(torch.stack([rows, cols]), values, shape).coalesce()
+    with warnings.catch_warnings():  # torch warns that CSR support is "beta" on first use
+        warnings.simplefilter("ignore")
+        return coo.to_sparse_csr(), coo.t().coalesce().to_sparse_csr()
+
+
 def build_method(name: str, case: Case, p: dict, device) -> dict:
     """Callables per phase for one method, or {"skip": reason}."""
     x, idx, w, b, g = p["x"], p["idx"], p["w"], p["b"], p["g"]
     wp, bp = torch.nn.Parameter(w.clone()), torch.nn.Parameter(b.clone())
     if name in ("uniform", "reference"):
+        # The same three kernels, compiled or pure torch; only the compiled op is timed through autograd
+        # (the package's one backward), the reference's step being its fwd+bwd plus Adam.
+        kernels = torch.ops.xmc_sparse if name == "uniform" else reference
+        fwd = lambda: kernels.forward(x, idx, w, b)  # noqa: E731
+        bwd_in = lambda: kernels.backward_input(g, idx, w, case.inputs)  # noqa: E731
+        bwd_w = lambda: kernels.backward_weight(g, x, idx)  # noqa: E731
+        phases = {"forward": fwd, "backward_input": bwd_in, "backward_weight": bwd_w,
+                  "fwd+bwd": lambda: (fwd(), bwd_in(), bwd_w(), g.sum(0))}
         if name == "uniform":
-            ops = torch.ops.xmc_sparse
-            fwd = lambda: ops.forward(x, idx, w, b)  # noqa: E731
-            bwd_in = lambda: ops.backward_input(g, idx, w, case.inputs)  # noqa: E731
-            bwd_w = lambda: ops.backward_weight(g, x, idx)  # noqa: E731
             layer = lambda: sparse_op.uniform_sparse_linear(x, idx, wp, bp)  # noqa: E731
-        else:
-            fwd = lambda: reference.forward(x, idx, w, b)  # noqa: E731
-            bwd_in = lambda: reference.backward_input(g, idx, w, case.inputs)  # noqa: E731
-            bwd_w = lambda: reference.backward_weight(g, x, idx)  # noqa: E731
-            layer = lambda: _Reference.apply(x, idx, wp, bp)  # noqa: E731
-        return {"forward": fwd, "backward_input": bwd_in, "backward_weight": bwd_w,
-                "fwd+bwd": lambda: (fwd(), bwd_in(), bwd_w(), g.sum(0)),
-                "step+adam": _step(layer, _adam([wp, bp], device), g)}
+            phases["step+adam"] = _step(layer, _adam([wp, bp], device), g)
+        return phases
     rows = torch.arange(case.labels, device=device).repeat(case.connectivity)
     cols = idx.reshape(-1).long()
-    if name == "csr":
-        s = _Structure(rows, cols, case.labels, case.inputs)
-        wflat = w.reshape(-1)
-        pattern_vals = torch.zeros_like(wflat)
+    if name == "csr":  # torch's own CSR kernels on the same connections (no autograd path: no step)
+        mat, mat_t = _csr_pair(rows, cols, w.reshape(-1), (case.labels, case.inputs))
         gt = g.t().contiguous()
-        mat, mat_t = s.matrix(wflat), s.matrix_t(wflat)
-        from xmc_repro.sparse.layers import _csr
-        pattern = _csr(s.crow, s.col, pattern_vals, s.shape)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            pattern = torch.sparse_csr_tensor(mat.crow_indices(), mat.col_indices(), torch.zeros_like(mat.values()),
+                                              mat.shape)
         fwd = lambda: (mat @ x.t()).t() + b  # noqa: E731
         bwd_in = lambda: (mat_t @ gt).t()  # noqa: E731
         bwd_w = lambda: torch.sparse.sampled_addmm(pattern, gt, x, beta=0.0)  # noqa: E731
-        vp = torch.nn.Parameter(wflat.clone())
-        layer = lambda: _CsrLinear.apply(x, vp, s) + bp  # noqa: E731
         return {"forward": fwd, "backward_input": bwd_in, "backward_weight": bwd_w,
-                "fwd+bwd": lambda: (fwd(), bwd_in(), bwd_w(), g.sum(0)),
-                "step+adam": _step(layer, _adam([vp, bp], device), g)}
+                "fwd+bwd": lambda: (fwd(), bwd_in(), bwd_w(), g.sum(0))}
     if name == "coo":
         # autograd through torch.sparse.mm forms the dense (labels, inputs) weight gradient
         need = case.labels * case.inputs * 4 * 1.1
@@ -323,6 +317,11 @@ def machine_info(device, bandwidth: float) -> dict:
     return info
 
 
+def slug(info: dict) -> str:
+    """File name stem of a machine's results: the card's name, or "cpu"."""
+    return "".join(ch if ch.isalnum() else "-" for ch in info.get("card", "cpu").lower()).strip("-")
+
+
 def _fmt(v, spec):
     return "" if v is None else format(v, spec)
 
@@ -370,13 +369,24 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--budget-s", type=float, default=None, help="start no new case after this many seconds")
     ap.add_argument("--warmup", type=int, default=None, help="default 3 on a GPU, 1 on CPU")
     ap.add_argument("--repeats", type=int, default=None, help="default 10 on a GPU, 5 on CPU")
+    ap.add_argument("--model", action="store_true", help="time the whole model's training step, dense and uniform")
+    ap.add_argument("--scale", type=float, default=None,
+                    help="--model: shrink labels and intermediate layer by this factor (default 1 on a GPU, 0.02 on CPU)")
+    ap.add_argument("--steps", type=int, default=None, help="--model: timed steps (default 50 on a GPU, 5 on CPU)")
     args = ap.parse_args(argv)
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     sparse_op.ensure_registered()
+    on_gpu = device.type == "cuda"
+    if args.model:
+        from xmc_repro import bench_model
+
+        scale = args.scale if args.scale is not None else (1.0 if on_gpu else 0.02)
+        steps = args.steps or (50 if on_gpu else 5)
+        return bench_model.run(device, scale, steps, args.warmup if args.warmup is not None else (5 if on_gpu else 1),
+                               Path(args.out))
     cases = paper_cases() if (args.full or device.type == "cuda") else cpu_cases()
     cases = cases[: args.max_cases] if args.max_cases else cases
     methods = set(args.methods.split(",")) if args.methods else None
-    on_gpu = device.type == "cuda"
     warmup = args.warmup if args.warmup is not None else (3 if on_gpu else 1)
     repeats = args.repeats if args.repeats is not None else (10 if on_gpu else 5)
     bandwidth = copy_bandwidth(device)
@@ -390,12 +400,12 @@ def main(argv: list[str] | None = None) -> int:
             continue
         print(f"  {case.name} ...", flush=True)
         rows += run_case(case, device, bandwidth, warmup, repeats, methods)
-    slug = "".join(ch if ch.isalnum() else "-" for ch in info.get("card", "cpu").lower()).strip("-")
+    name = slug(info)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / f"{slug}.json").write_text(json.dumps({"machine": info, "results": rows}, indent=1) + "\n")
-    (out / f"{slug}.md").write_text(markdown(info, rows))
-    print(f"wrote {out / slug}.json and .md")
+    (out / f"{name}.json").write_text(json.dumps({"machine": info, "results": rows}, indent=1) + "\n")
+    (out / f"{name}.md").write_text(markdown(info, rows))
+    print(f"wrote {out / name}.json and .md")
     print(summary(rows))
     return 0
 
