@@ -80,3 +80,39 @@ def test_sqlite_path():
     assert str(tracking.sqlite_path("sqlite:////abs/dir/m.db")) == "/abs/dir/m.db"
     assert tracking.sqlite_path("http://localhost:5000") is None
     assert tracking.sqlite_path("sqlite:///:memory:") is None
+
+
+def _dataset(cfg: dict):
+    from omegaconf import OmegaConf
+
+    from xmc_repro.data import build_datamodule
+
+    dm = build_datamodule(cfg)
+    dm.setup("fit")
+    return tracking.dataset_entity(OmegaConf.create(cfg), dm)
+
+
+def test_the_dataset_digest_follows_the_files_read_not_their_names(tmp_path):
+    train, test = "3 5 3\n0,1 0:1.0 2:0.5\n2 1:1.0\n1 3:0.25 4:1\n", "2 5 3\n0 0:1.0\n1,2 4:2.0\n"
+    copies = []
+    for name, test_text in (("a", test), ("b", test), ("c", test.replace("4:2.0", "4:3.0"))):
+        folder = tmp_path / name
+        folder.mkdir()
+        (folder / "train.txt").write_text(train)
+        (folder / "test.txt").write_text(test_text)
+        cfg = {"kind": "xc", "name": "Tiny-XC", "features": "bow", "data_dir": str(folder),
+               "train_file": "train.txt", "test_file": "test.txt"}
+        copies.append(_dataset(cfg))
+    same, copy, changed = copies
+    assert same.name == "Tiny-XC" and len(same.digest) == 8
+    assert same.digest == copy.digest != changed.digest  # one changed value in test.txt
+    assert same.source_type == "local" and str(tmp_path / "a") in same.source
+    assert '"labels": 3' in same.profile and '"train_points": 3' in same.profile
+
+
+def test_synthetic_data_is_told_apart_by_its_generating_settings():
+    base = {"kind": "synthetic", "name": "Synthetic", "features": "synthetic", "num_train": 60, "num_test": 20,
+            "num_features": 8, "num_labels": 12, "latent_dim": 4}
+    first, again, other_seed = (_dataset({**base, **extra}) for extra in ({}, {}, {"data_seed": 1}))
+    assert first.digest == again.digest != other_seed.digest
+    assert first.source_type == "code"
