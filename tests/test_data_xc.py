@@ -176,3 +176,62 @@ def test_real_files(name, n, d, L, avg):
     assert data.features.nnz == sum(len(r) for r in rows)
     if name == "Delicious":
         assert int((data.labels.lengths() == 0).sum()) == 10  # points without labels, per the data's README
+
+
+def test_bom_and_crlf_files_are_simply_read(tmp_path):
+    plain = b"3 5 3\n0,1 0:1.0 2:0.5\n2 1:1.0\n1 3:0.25 4:1\n"
+    (tmp_path / "plain.txt").write_bytes(plain)
+    (tmp_path / "bom_crlf.txt").write_bytes(b"\xef\xbb\xbf" + plain.replace(b"\n", b"\r\n"))
+    a, b = read_xc(tmp_path / "plain.txt"), read_xc(tmp_path / "bom_crlf.txt")
+    assert a.labels.to_lists() == b.labels.to_lists() == [[0, 1], [2], [1]]
+    assert (a.features != b.features).nnz == 0
+    (tmp_path / "labels.txt").write_bytes(b"\xef\xbb\xbf2 3\r\n0:1 2:1\r\n1:1\r\n")
+    assert read_labels(tmp_path / "labels.txt").to_lists() == [[0, 2], [1]]
+
+
+def test_blank_line_inside_the_data_is_named(tmp_path):
+    lines = [f"{i % 3} {i % 5}:1" for i in range(41)]
+    path = tmp_path / "blank.txt"
+    path.write_text("41 5 3\n" + "\n".join(lines[:10] + [""] + lines[10:]) + "\n")  # line 12 is blank
+    with pytest.raises(DataError) as info:
+        read_xc(path)
+    message = str(info.value)
+    assert message.startswith(f"{path}:12: blank line") and "remove the blank line" in message, message
+    assert "header's point count" not in message  # fixing the header would read the blank line as a point
+
+
+def test_files_that_are_no_text_files(tmp_path, monkeypatch):
+    import gzip
+
+    with gzip.open(tmp_path / "train.txt.gz", "wt") as handle:
+        handle.write("1 5 3\n0 0:1\n")
+    with pytest.raises(DataError, match=r"train.txt.gz: gzip-compressed; decompress it first \(gunzip -k "):
+        read_xc(tmp_path / "train.txt.gz")
+    with pytest.raises(DataError, match=r": is a directory, expected a data file"):
+        read_xc(tmp_path)
+    with pytest.raises(DataError, match=r": is a directory, expected a data file"):
+        read_labels(tmp_path)
+    # PermissionError (chmod does not stop root, so the open itself is made to fail)
+    path = tmp_path / "locked.txt"
+    path.write_text("1 5 3\n0 0:1\n")
+    original = type(path).open
+
+    def denied(self, *args, **kwargs):
+        if self == path:
+            raise PermissionError(13, "Permission denied", str(self))
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(type(path), "open", denied)
+    with pytest.raises(DataError, match=r"locked.txt: cannot be read \(Permission denied\); make it readable"):
+        read_xc(path)
+
+
+@pytest.mark.parametrize("text,what", [("1 5 0\n 0:1\n", "labels"), ("1 0 3\n0\n", "features")])
+def test_header_declaring_zero_labels_or_features_names_the_file(tmp_path, text, what):
+    path = tmp_path / "zero.txt"
+    path.write_text(text)
+    with pytest.raises(DataError, match=rf"^{path}:1: the header declares 0 {what}; fix it"):
+        read_xc(path)
+    (tmp_path / "zero_labels.txt").write_text("1 0\n\n")
+    with pytest.raises(DataError, match=r"zero_labels.txt:1: the header declares 0 columns"):
+        read_labels(tmp_path / "zero_labels.txt")

@@ -1,6 +1,7 @@
 """Helpers of the reliability tests: the real command line in a scratch directory, and what it left in MLflow.
 
-(No tests here; the test_reliability_*.py files import it.)
+(No tests here; the test_reliability_*.py files import it, and `no_run_left_running` with it: after every
+test, no MLflow run in a directory the command line ran in may be left RUNNING.)
 """
 
 from __future__ import annotations
@@ -10,6 +11,8 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -47,12 +50,17 @@ def command(cwd: Path, args, multirun: bool = False) -> list[str]:
             f"logger.tracking_uri={tracking_uri(cwd)}"]
 
 
+_USED: set[Path] = set()  # directories the command line ran in since the last check
+
+
 def cli(cwd: Path, args, multirun: bool = False, timeout: float = 300, env: dict | None = None):
+    _USED.add(Path(cwd))
     return subprocess.run(command(cwd, args, multirun), cwd=cwd, env=cli_env(env), capture_output=True, text=True,
                           timeout=timeout)
 
 
 def start(cwd: Path, args) -> subprocess.Popen:
+    _USED.add(Path(cwd))
     return subprocess.Popen(command(cwd, args), cwd=cwd, env=cli_env(), stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
 
@@ -90,3 +98,17 @@ _TEMPLATE: Path | None = None
 
 def copy_store(template: Path, directory: Path) -> None:
     shutil.copy(template, directory / "mlruns.db")
+
+
+def running_runs(directory: Path) -> list[str]:
+    return [r.info.run_id for r in runs(directory) if r.info.status == "RUNNING"]
+
+
+@pytest.fixture(autouse=True)
+def no_run_left_running():
+    """After each test (its module fixtures included): every run the command line started is closed."""
+    yield
+    pending = sorted(_USED)
+    _USED.clear()
+    left = {str(d): running_runs(d) for d in pending if running_runs(d)}
+    assert not left, f"MLflow runs left RUNNING: {left}"

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from test_reliability_common import TINY, cli, copy_store, make_store, runs, stderr_lines
+from test_reliability_common import no_run_left_running  # noqa: F401  (autouse)
 
 GOOD_TRAIN = "3 5 3\n0,1 0:1.0 2:0.5\n2 1:1.0\n1 3:0.25 4:1\n"
 GOOD_TEST = "2 5 3\n0 0:1.0\n1,2 4:2.0\n"

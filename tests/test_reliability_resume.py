@@ -18,6 +18,7 @@ import torch
 from omegaconf import OmegaConf
 
 from test_reliability_common import TINY, cli, copy_store, make_store, runs, start
+from test_reliability_common import no_run_left_running  # noqa: F401  (autouse)
 from xmc_repro import checkpoints
 from xmc_repro.errors import ConfigError
 

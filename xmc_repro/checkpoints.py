@@ -14,23 +14,46 @@ needs on top of that to continue as if it had never stopped:
 * the run's resolved config and MLflow run id, so `resume=<run id or path>` alone continues the run.
 
 A file is written whole or not at all (temporary file + rename), and weights that are no longer finite never
-replace the last good checkpoint.
+replace the last good checkpoint; a failed write (a full disk) removes its temporary file and ends the run in
+one line.
+
+Loading (`load`, `SafeCheckpointIO`) never unpickles anything outside `ALLOWED_GLOBALS`: a checkpoint from
+someone else cannot run code. Before a checkpoint's tensors reach a model they are checked against it (names,
+shapes, dtypes, finite values, sparse indices in range), so the compiled op never reads out of bounds on data
+from disk. `RunLock` gives a run one writer: a second process continuing it is refused.
 """
 
 from __future__ import annotations
 
+import errno
 import os
+import pickletools
 import random
+import zipfile
 from pathlib import Path
 
 import numpy as np
 import torch
+from lightning.fabric.plugins import TorchCheckpointIO
 from lightning.pytorch.callbacks import Checkpoint
 
-from xmc_repro.errors import ConfigError
+from xmc_repro.errors import ConfigError, StorageError
+
+try:
+    import fcntl
+except ImportError:  # not POSIX: no lock
+    fcntl = None
 
 LAST = "last.ckpt"
 STATE_KEY = "xmc_repro"  # our section of a checkpoint
+LOCK = "writer.lock"
+# Everything a checkpoint's pickle may name: containers and tensors (RNG states are stored as tensors and plain
+# numbers for this). Anything else (a class, a function such as os.system) is refused before unpickling.
+ALLOWED_GLOBALS = frozenset(
+    ["collections.OrderedDict", "torch._utils._rebuild_tensor_v2", "torch._utils._rebuild_parameter"]
+    + [f"torch.{kind}Storage" for kind in (
+        "Float", "Double", "Half", "BFloat16", "Long", "Int", "Short", "Char", "Byte", "Bool")]
+)
 
 
 def rng_states() -> dict:
@@ -56,17 +79,173 @@ def set_rng_states(states: dict) -> None:
         torch.cuda.set_rng_state_all(states["cuda"])
 
 
-def read(path: str | Path) -> dict:
-    """Our section of a checkpoint file: config (YAML), run_id, ...; ConfigError when it is not one of ours."""
+def pickled_globals(path: Path) -> set[str]:
+    """Every global (`module.name`) the checkpoint's pickle would import, found without unpickling anything.
+
+    STACK_GLOBAL takes its two names from the stack: literal strings, or strings fetched back from the memo.
+    A name that cannot be told this way is reported as "?" (and so refused).
+    """
+    with zipfile.ZipFile(path) as archive:
+        names = [n for n in archive.namelist() if n.endswith("/data.pkl") or n == "data.pkl"]
+        if len(names) != 1:
+            raise ValueError(f"{len(names)} pickles in the archive, expected 1")
+        data = archive.read(names[0])
+    found, recent, memo, last = set(), [], {}, None
+    for op, arg, _ in pickletools.genops(data):
+        name = op.name
+        if name in ("GLOBAL", "INST"):
+            found.add(arg.replace(" ", "."))
+        elif name == "STACK_GLOBAL":
+            found.add(".".join(recent[-2:]) if len(recent) >= 2 and None not in recent[-2:] else "?")
+        if name in ("MEMOIZE", "PUT", "BINPUT", "LONG_BINPUT"):
+            memo[len(memo) if name == "MEMOIZE" else arg] = last
+            continue
+        last = arg if "UNICODE" in name else memo.get(arg) if name in ("GET", "BINGET", "LONG_BINGET") else None
+        recent = (recent + [last])[-2:]
+    return found
+
+
+def load(path: str | Path, setting: str = "resume") -> dict:
+    """A checkpoint file as a dict of tensors and plain values; ConfigError (one line) for anything else.
+
+    Nothing outside ALLOWED_GLOBALS is unpickled (then torch's weights-only unpickler loads it); tensors are
+    memory-mapped, so checking a large checkpoint does not need its size in memory.
+    """
     path = Path(path)
     try:
-        checkpoint = torch.load(path, map_location="cpu", weights_only=False)
-    except Exception as error:  # truncated or not a checkpoint at all
-        raise ConfigError(f"resume={path}: not a readable checkpoint ({type(error).__name__}: {error})") from None
-    section = checkpoint.get(STATE_KEY) if isinstance(checkpoint, dict) else None
-    if not section or "config" not in section:
+        unknown = sorted(pickled_globals(path) - ALLOWED_GLOBALS)
+    except (OSError, ValueError, zipfile.BadZipFile, Exception) as error:  # truncated, not a torch zip file
+        raise ConfigError(f"{setting}={path}: not a readable checkpoint ({type(error).__name__}: {error})") from None
+    if unknown:
+        raise ConfigError(
+            f"{setting}={path}: refused, the checkpoint would import {', '.join(unknown[:3])} (a checkpoint holds only "
+            "tensors and plain values; loading this one could run code); use a checkpoint written by python -m xmc_repro"
+        )
+    try:
+        checkpoint = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except Exception as error:
+        reason = " ".join(str(error).split())[:200]
+        raise ConfigError(f"{setting}={path}: not a readable checkpoint ({type(error).__name__}: {reason})") from None
+    if not isinstance(checkpoint, dict) or not isinstance(checkpoint.get("state_dict"), dict):
+        raise ConfigError(f"{setting}={path}: not a Lightning checkpoint (no state_dict in it)")
+    return checkpoint
+
+
+def read(path: str | Path) -> dict:
+    """Our section of a checkpoint file: config (YAML), run_id, ...; ConfigError when it is not one of ours."""
+    checkpoint = load(path)
+    section = checkpoint.get(STATE_KEY)
+    if not isinstance(section, dict) or not isinstance(section.get("config"), str):
         raise ConfigError(f"resume={path}: not a checkpoint written by python -m xmc_repro (no run config in it)")
     return section
+
+
+def index_bounds(module: torch.nn.Module) -> list[tuple[int, int]] | None:
+    """Exclusive upper bound of each row of a module's `indices` buffer (one bound for all rows: one entry)."""
+    if not isinstance(getattr(module, "indices", None), torch.Tensor):
+        return None
+    if hasattr(module, "num_meta"):  # MACH decoding: buckets of all hash functions
+        return [(0, module.num_meta)]
+    if module.indices.dim() == 2 and module.indices.shape[0] == 2 and type(module).__name__.startswith("Unstructured"):
+        return [(0, module.out_features), (1, module.in_features)]  # (label, input) per connection
+    return [(0, module.in_features)]
+
+
+def check_state(checkpoint: dict, model: torch.nn.Module, path) -> None:
+    """ConfigError unless the checkpoint's weights fit `model` exactly: names, shapes, dtypes, finite values,
+    and every sparse index within its layer (the compiled op does not check them while it runs)."""
+    state, expected = checkpoint.get("state_dict"), model.state_dict()
+    if not isinstance(state, dict):
+        raise ConfigError(f"{path}: corrupted checkpoint (no state_dict); use another checkpoint of the run")
+    missing, extra = sorted(set(expected) - set(state)), sorted(set(state) - set(expected))
+    if missing or extra:
+        raise ConfigError(
+            f"{path}: corrupted or foreign checkpoint: {'missing ' + ', '.join(missing[:3]) if missing else ''}"
+            f"{'; ' if missing and extra else ''}{'unexpected ' + ', '.join(extra[:3]) if extra else ''}; "
+            "use a checkpoint of this run"
+        )
+    for name, want in expected.items():
+        got = state[name]
+        if not isinstance(got, torch.Tensor) or got.shape != want.shape or got.dtype != want.dtype:
+            shown = f"{tuple(got.shape)} {got.dtype}" if isinstance(got, torch.Tensor) else type(got).__name__
+            raise ConfigError(
+                f"{path}: corrupted checkpoint: {name} is {shown}, the model needs {tuple(want.shape)} {want.dtype}; "
+                "use another checkpoint of the run"
+            )
+        if not all_finite(got):
+            raise ConfigError(f"{path}: corrupted checkpoint: {name} holds NaN or Inf; use another checkpoint of the run")
+    for module_name, module in model.named_modules():
+        bounds = index_bounds(module)
+        for row, limit in bounds or ():
+            indices = state[f"{module_name}.indices" if module_name else "indices"]
+            values = indices if len(bounds) == 1 else indices[row]
+            if values.numel() and (int(values.min()) < 0 or int(values.max()) >= limit):
+                raise ConfigError(
+                    f"{path}: corrupted checkpoint: {module_name}.indices holds values in [{int(values.min())}, "
+                    f"{int(values.max())}], outside [0, {limit}); use another checkpoint of the run"
+                )
+    _check_optimizer(checkpoint, model, path)
+
+
+def _check_optimizer(checkpoint: dict, model: torch.nn.Module, path) -> None:
+    """Adam's moments must have their parameter's shape and be finite (a resumed run steps with them)."""
+    params = list(model.parameters())
+    for optimizer in checkpoint.get("optimizer_states") or []:
+        for key, slot in (optimizer.get("state") or {}).items() if isinstance(optimizer, dict) else ():
+            if not isinstance(key, int) or not 0 <= key < len(params) or not isinstance(slot, dict):
+                raise ConfigError(f"{path}: corrupted checkpoint: optimizer state {key!r}; use another checkpoint")
+            for name, value in slot.items():
+                if name in ("exp_avg", "exp_avg_sq") and (
+                    not isinstance(value, torch.Tensor) or value.shape != params[key].shape or not all_finite(value)
+                ):
+                    raise ConfigError(
+                        f"{path}: corrupted checkpoint: optimizer {name} of parameter {key} does not fit the model "
+                        "or is not finite; use another checkpoint of the run"
+                    )
+
+
+class SafeCheckpointIO(TorchCheckpointIO):
+    """Lightning's checkpoint reading and writing, made safe for this project.
+
+    Reading: `load` (no code runs) and `check_state` against the model before Lightning restores anything.
+    Writing: straight to the file (no in-memory copy of the whole checkpoint), flushed to disk, through a
+    temporary file unless the path is one already; a failed write removes what it wrote and is one line.
+    """
+
+    def __init__(self, model: torch.nn.Module):
+        super().__init__()
+        self.model = model
+
+    def load_checkpoint(self, path, map_location=None, weights_only=None) -> dict:
+        checkpoint = load(path)
+        check_state(checkpoint, self.model, path)
+        return checkpoint
+
+    def save_checkpoint(self, checkpoint, path, storage_options=None) -> None:
+        path = Path(path)
+        tmp = path if path.suffix == ".tmp" else path.with_name(path.name + ".tmp")
+        write(checkpoint, tmp)
+        if tmp != path:
+            os.replace(tmp, path)
+
+
+def write(checkpoint: dict, path: Path) -> None:
+    """torch.save to `path`, flushed to disk; on failure the partial file is removed and a StorageError says why."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(path, "wb") as handle:
+            torch.save(checkpoint, handle)
+            handle.flush()
+            os.fsync(handle.fileno())
+    except OSError as error:
+        path.unlink(missing_ok=True)
+        full = error.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
+        reason = "no space left on the device" if full else (error.strerror or str(error))
+        raise StorageError(
+            f"cannot write checkpoint {path} ({reason}); the partial file is removed and the previous checkpoint "
+            f"kept; {'free space on that disk' if full else 'fix the folder'}, then continue the run with "
+            "resume=<run id>"
+        ) from None
 
 
 def all_finite(tensor: torch.Tensor) -> bool:
@@ -126,7 +305,7 @@ class LastCheckpoint(Checkpoint):
         self._saving_at = at
         tmp = self.path.with_name(LAST + ".tmp")
         try:
-            trainer.save_checkpoint(tmp, weights_only=False)
+            trainer.save_checkpoint(tmp, weights_only=False)  # SafeCheckpointIO.write: a failure removes tmp
         finally:
             self._saving_at = None
         if trainer.is_global_zero:
@@ -203,3 +382,71 @@ class LastCheckpoint(Checkpoint):
 
     def load_state_dict(self, state_dict):
         pass
+
+
+class RunLock:
+    """One writer per run: an exclusive lock on `<checkpoint dir>/writer.lock`, held while a process writes the run.
+
+    The operating system releases it when the process ends, however it ends (kill -9 included), so a lock is
+    never stale; the file itself stays and marks a folder where a run was started.
+    """
+
+    def __init__(self, directory: str | Path):
+        self.path = Path(directory) / LOCK
+        self._handle = None
+
+    def acquire(self) -> bool:
+        """Take the lock (False when another process holds it); records this process id in the file."""
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        handle = open(self.path, "a+")
+        if fcntl is not None:
+            try:
+                fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError:
+                handle.close()
+                return False
+        handle.seek(0)
+        handle.truncate()
+        handle.write(f"{os.getpid()}\n")
+        handle.flush()
+        self._handle = handle
+        return True
+
+    def holder(self) -> str:
+        """The process id recorded by the lock's holder, for messages."""
+        try:
+            return self.path.read_text().strip() or "unknown"
+        except OSError:
+            return "unknown"
+
+    def is_held(self) -> bool:
+        """Whether another process holds the lock now (a probe: takes and releases it)."""
+        if not self.path.is_file() or fcntl is None:
+            return False
+        with open(self.path, "a") as handle:
+            try:
+                fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError:
+                return True
+            fcntl.flock(handle, fcntl.LOCK_UN)
+        return False
+
+    def release(self) -> None:
+        if self._handle is not None:
+            self._handle.close()  # closing drops the lock
+            self._handle = None
+
+
+def hold_run(directory: str | Path, run_id: str | None) -> RunLock:
+    """The run's writer lock, taken; ConfigError (one line) when another process is writing the run."""
+    lock = RunLock(directory)
+    try:
+        acquired = lock.acquire()
+    except OSError as error:
+        raise StorageError(f"cannot create the run's lock file {lock.path} ({error.strerror}); fix that folder") from None
+    if not acquired:
+        raise ConfigError(
+            f"resume={run_id}: run {run_id} is being written by another process (pid {lock.holder()}, lock "
+            f"{lock.path}); a run has one writer: wait for that process to end, or stop it, then resume"
+        )
+    return lock

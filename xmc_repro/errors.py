@@ -15,3 +15,7 @@ class DataError(UserError):
 
 class ConfigError(UserError):
     """A setting is invalid; the message names the setting and the fix."""
+
+
+class StorageError(UserError):
+    """A file could not be written (a full disk, a read-only folder); the message names the file and the fix."""

@@ -9,6 +9,7 @@ from torch import nn
 from xmc_repro.errors import ConfigError
 from xmc_repro.losses import NonFiniteLossWatch, build_loss
 from xmc_repro.metrics import XMCMetrics
+from xmc_repro.validation import positive_int as _positive
 
 HEADS = ("dense", "uniform", "unstructured", "bottleneck", "mach")
 
@@ -59,12 +60,6 @@ def init_dense_like_keras_(module: nn.Module) -> None:
             nn.init.xavier_uniform_(layer.weight)
             if layer.bias is not None:
                 layer.bias.zero_()
-
-
-def _positive(value, setting: str) -> int:
-    if value is None or int(value) <= 0:
-        raise ConfigError(f"{setting}={value!r} must be a positive integer; set e.g. {setting}=32")
-    return int(value)
 
 
 class XMCClassifier(pl.LightningModule):

@@ -1,5 +1,10 @@
 """Resuming a run: `resume=<run id or .ckpt path>` continues the same MLflow run from its last checkpoint,
-with the run's own settings; only settings that do not change what is trained may differ."""
+with the run's own settings; only settings that do not change what is trained may differ.
+
+A run killed before its first checkpoint has nothing to continue: `resume=<its id>` closes it as FAILED
+(it would otherwise stay RUNNING forever) and says so. A run's folder holds its writer lock
+(`checkpoints.RunLock`), which tells a dead run from one that is still training towards its first checkpoint.
+"""
 
 from __future__ import annotations
 
@@ -22,18 +27,58 @@ RESUMABLE_SETTINGS = (
 LIVE_SECTIONS = ("resume", "logger", "hydra")  # always taken from the command line
 
 
-def resume_checkpoint(value) -> Path:
-    """The checkpoint named by `resume=`: a file path, or the run id of a run started in this directory."""
+def resume_checkpoint(value, tracking_uri: str | None = None) -> Path:
+    """The checkpoint named by `resume=`: a file path, or the run id of a run started in this directory.
+
+    With `tracking_uri`, a run whose folder is here but holds no checkpoint is closed as FAILED (see above).
+    """
     given = Path(str(value)).expanduser()
     if given.is_file():
         return given
-    by_run = CHECKPOINT_ROOT / str(value) / checkpoints.LAST
+    if given.is_dir() and (given / checkpoints.LAST).is_file():
+        return given / checkpoints.LAST
+    run_dir = CHECKPOINT_ROOT / str(value)
+    by_run = run_dir / checkpoints.LAST
     if by_run.is_file():
         return by_run
+    if run_dir.is_dir() and tracking_uri is not None:
+        raise ConfigError(f"resume={value}: {close_orphan(tracking_uri, str(value), run_dir)}")
     raise ConfigError(
-        f"resume={value}: neither a checkpoint file nor a run with {by_run}; pass the run id from the directory "
-        "the run was started in, or the path of its last.ckpt"
+        f"resume={value}: neither a checkpoint file nor a run with {by_run} in {Path.cwd()}; pass the run id from "
+        "the directory the run was started in, or the path of its last.ckpt"
     )
+
+
+def close_orphan(tracking_uri: str, run_id: str, run_dir: Path) -> str:
+    """What became of a run that has a folder here but no checkpoint; a dead RUNNING one is marked FAILED."""
+    lock = checkpoints.RunLock(run_dir)
+    if lock.is_held():
+        return (f"run {run_id} has no checkpoint yet and is still being written by another process (pid "
+                f"{lock.holder()}); wait for its first checkpoint (every epoch, or trainer.checkpoint_every_n_steps)")
+    from mlflow.tracking import MlflowClient
+
+    from xmc_repro.tracking import with_retries
+
+    client = MlflowClient(tracking_uri)
+    try:
+        run = with_retries(client.get_run, run_id)
+    except Exception:
+        return (f"no checkpoint in {run_dir} and no MLflow run {run_id} in {tracking_uri}; set logger.tracking_uri "
+                "to the store the run was started with, or start a new run")
+    status = run.info.status
+    if status == "RUNNING":
+        message = "stopped before its first checkpoint (the process was killed); nothing to resume"
+        try:
+            with_retries(client.set_tag, run_id, "error", message)
+            with_retries(client.set_terminated, run_id, "FAILED")
+        except Exception as error:
+            reason = " ".join(f"{type(error).__name__}: {error}".split())[:200]
+            return f"run {run_id} {message}; marking it FAILED failed ({reason}): retry once the store is writable"
+        return (f"run {run_id} {message}, so it is now marked FAILED; start it again without resume= "
+                "(set trainer.checkpoint_every_n_steps to checkpoint within an epoch)")
+    why = run.data.tags.get("error")
+    return (f"run {run_id} ended {status} before its first checkpoint{f' ({why})' if why else ''}; nothing to "
+            "resume: start it again without resume=")
 
 
 def resume_config(cfg: DictConfig, stored: DictConfig, explicit: list[str]) -> DictConfig:
@@ -79,7 +124,7 @@ def prepare(cfg: DictConfig, explicit: list[str], multirun: bool) -> tuple[DictC
         return cfg, None, None
     if multirun:
         raise ConfigError(f"resume={cfg.resume} continues one run: run it without -m")
-    path = resume_checkpoint(cfg.resume)
+    path = resume_checkpoint(cfg.resume, OmegaConf.select(cfg, "logger.tracking_uri", default=None))
     saved = checkpoints.read(path)
     merged = resume_config(cfg, OmegaConf.create(saved["config"]), explicit)
     return merged, path, saved["run_id"]

@@ -49,6 +49,11 @@ _jitter = random.Random()  # its own generator: retries must not move the global
 TAG_KEYS = ("table", "scale")  # config keys recorded as tags (what the report filters on), not as params
 # Without this experiment tag MLflow 3's UI opens an experiment on its (empty) GenAI overview, not the runs table.
 EXPERIMENT_KIND = ("mlflow.experimentKind", "custom_model_development")
+# A tracking server that does not answer is reported within seconds, not after MLflow's default 7 retries
+# with exponential backoff and a 120 s timeout per request (over five minutes of silence).
+HTTP_LIMITS = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "2", "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "1",
+               "MLFLOW_HTTP_REQUEST_TIMEOUT": "10"}
+CONNECT_SECONDS = 5.0
 
 
 def is_contention(error: BaseException) -> bool:
@@ -107,6 +112,28 @@ def store_lock(tracking_uri: str):
             fcntl.flock(handle, fcntl.LOCK_UN)
 
 
+def check_server(tracking_uri: str) -> None:
+    """For an http(s) store: bound MLflow's retries (unless set in the environment) and fail fast, in one line,
+    when the server does not answer."""
+    if not tracking_uri.startswith(("http://", "https://")):
+        return
+    for name, value in HTTP_LIMITS.items():
+        os.environ.setdefault(name, value)
+    import urllib.error
+    import urllib.request
+
+    try:
+        urllib.request.urlopen(tracking_uri.rstrip("/") + "/health", timeout=CONNECT_SECONDS).close()
+    except urllib.error.HTTPError:
+        pass  # it answers (a server without /health, or behind a proxy): MLflow itself will tell the rest
+    except (OSError, ValueError) as error:
+        reason = getattr(error, "reason", None) or error
+        raise ConfigError(
+            f"logger.tracking_uri={tracking_uri}: the tracking server does not answer ({reason}); start it "
+            "(mlflow server --host 0.0.0.0 --port 5000 ...), fix the address, or use sqlite:///mlruns.db"
+        ) from None
+
+
 def flatten(cfg, prefix: str = "") -> dict[str, str]:
     """Resolved config as `{'model/head': 'uniform', ...}`."""
     container = OmegaConf.to_container(cfg, resolve=True) if isinstance(cfg, DictConfig) else cfg
@@ -147,6 +174,7 @@ class RunTracker:
 
     def __init__(self, tracking_uri: str, experiment_name: str, run_id: str | None = None, run_name: str | None = None):
         self.tracking_uri = tracking_uri
+        check_server(tracking_uri)
         with store_lock(tracking_uri), _quiet("mlflow.store.db.utils", "alembic"):  # schema creation chatter
             self.client = MlflowClient(tracking_uri)
             self.experiment_id = with_retries(self._experiment, experiment_name)
@@ -181,8 +209,9 @@ class RunTracker:
             ) from None
         if run.info.status == "FINISHED":
             raise ConfigError(f"resume={run_id}: that run already FINISHED; start a new run (without resume=)")
-        if "error" in run.data.tags:  # the failure it resumes from is history now
-            with_retries(self.client.delete_tag, run_id, "error")
+        for tag in ("error", "failed_at_step"):  # the failure it resumes from is history now
+            if tag in run.data.tags:
+                with_retries(self.client.delete_tag, run_id, tag)
         resumed = int(run.data.tags.get("resumed", 0)) + 1
         with_retries(self.client.log_batch, run_id, tags=[RunTag("resumed", str(resumed))])
         with_retries(self.client.update_run, run_id, status="RUNNING")

@@ -22,42 +22,17 @@ from xmc_repro.console import EpochLine, ProgressBar
 from xmc_repro.data import build_datamodule
 from xmc_repro.describe import run_name
 from xmc_repro.distributed import launch_problem, launch_rank
-from xmc_repro.errors import ConfigError, UserError
+from xmc_repro.errors import ConfigError, StorageError, UserError
 from xmc_repro.metrics import inverse_propensity
 from xmc_repro.model import NonFiniteLossError, XMCClassifier
 from xmc_repro.resume import CHECKPOINT_ROOT, prepare
 from xmc_repro.tracking import RunTracker, device_name, git_commit
-
-
-def _number(cfg: DictConfig, key: str, kind=int, positive: bool = True):
-    value = OmegaConf.select(cfg, key)
-    try:
-        number = kind(value)
-    except (TypeError, ValueError):
-        number = None
-    if number is None or isinstance(value, bool) or (kind is int and number != value) or (positive and number <= 0):
-        what = "a positive " + ("integer" if kind is int else "number") if positive else "an integer"
-        raise ConfigError(f"{key}={value!r} must be {what}")
-    return number
+from xmc_repro.validation import validate as validate_values
 
 
 def validate(cfg: DictConfig) -> None:
-    """Settings that would otherwise fail deep inside training (with a traceback instead of one line)."""
-    for key in ("trainer.batch_size", "trainer.eval_batch_size", "trainer.max_epochs"):
-        _number(cfg, key)
-    _number(cfg, "trainer.lr", float)
-    _number(cfg, "seed", positive=False)
-    if cfg.model.intermediate is not None and _number(cfg, "model.intermediate", int, positive=False) <= 0:
-        raise ConfigError(
-            f"model.intermediate={cfg.model.intermediate} must be a positive layer size, "
-            "or null for no intermediate layer"
-        )
-    if cfg.validate_on not in ("test", "holdout"):
-        raise ConfigError(f"validate_on={cfg.validate_on!r} must be 'test' (the authors' protocol) or 'holdout'")
-    if not 0 <= _number(cfg, "model.rewire_fraction", float, positive=False) < 1:
-        raise ConfigError(f"model.rewire_fraction={cfg.model.rewire_fraction} must be in [0, 1)")
-    if cfg.trainer.get("checkpoint_every_n_steps") is not None:
-        _number(cfg, "trainer.checkpoint_every_n_steps")
+    """The config's values (`xmc_repro.validation`), then whether this launch can run it."""
+    validate_values(cfg)
     problem = launch_problem(cfg.trainer, multirun=bool(sweep_tags()))
     if problem:
         raise ConfigError(problem)
@@ -76,7 +51,10 @@ def failure_message(error: BaseException, run_id: str | None = None, last_checkp
     """One line saying what happened and what to do, for the terminal and the run's `error` tag."""
     kept = last_checkpoint is not None and last_checkpoint.is_file()
     if isinstance(error, UserError):
-        text = str(error)
+        text = str(error).replace("resume=<run id>", f"resume={run_id or '<run id>'}")
+    elif disk_full(error):
+        text = (f"no space left on the device ({type(error).__name__}: {error}); free space, then continue the run "
+                f"with resume={run_id or '<run id>'}")
     elif isinstance(error, NonFiniteLossError):
         text = f"{error}; " + (f"the last good checkpoint is kept: {last_checkpoint}" if kept else "no checkpoint yet")
     elif isinstance(error, (KeyboardInterrupt, SystemExit)):
@@ -91,6 +69,15 @@ def failure_message(error: BaseException, run_id: str | None = None, last_checkp
     else:
         text = f"{type(error).__name__}: {error}"
     return " ".join(text.split())
+
+
+def disk_full(error: BaseException) -> bool:
+    """A full disk, as the OS (ENOSPC, quota) or SQLite ("database or disk is full") reports it."""
+    import errno
+
+    if isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EDQUOT):
+        return True
+    return "disk is full" in f"{error} {error.__cause__ or ''}"
 
 
 def build_model(cfg: DictConfig, dm) -> XMCClassifier:
@@ -186,10 +173,19 @@ def run(cfg: DictConfig) -> dict:
     validate(cfg)
     if launch_rank() != 0:  # a further DDP rank: trains in step with rank 0, which alone records the run
         return _fit_and_test(cfg, None, CHECKPOINT_ROOT / "other-rank", resume_from, {})
-    tracker = open_run(cfg, run_id)
+    # One writer per run: a resumed run's lock is taken before its MLflow run is touched.
+    lock = checkpoints.hold_run(resume_from.parent, run_id) if resume_from else None
+    try:
+        tracker = open_run(cfg, run_id)
+    except BaseException:
+        if lock is not None:
+            lock.release()
+        raise
     checkpoint_dir = resume_from.parent if resume_from else CHECKPOINT_ROOT / tracker.run_id
     progress: dict = {}  # the trainer, once there is one: for the step a failure happened at
     try:
+        if lock is None:  # a new run: the lock also marks its folder, for resume to tell a dead run from a live one
+            lock = checkpoints.hold_run(checkpoint_dir, tracker.run_id)
         tracker.log_config(
             cfg,
             {"table": cfg.table, "scale": cfg.scale, "git_commit": git_commit(), "dataset": cfg.dataset.name,
@@ -200,9 +196,21 @@ def run(cfg: DictConfig) -> dict:
         trainer = progress.get("trainer")
         tags = {"failed_at_step": trainer.global_step} if trainer is not None else {}
         message = failure_message(error, tracker.run_id, checkpoint_dir / checkpoints.LAST)
+        try:
+            tracker.finish("FAILED", message, tags)
+        except Exception as store_error:  # e.g. the store's disk is full too: say so in the same line
+            reason = " ".join(f"{type(store_error).__name__}: {store_error}".split())[:200]
+            message += (f"; the MLflow run could not be marked FAILED ({reason}) and shows RUNNING: once the store "
+                        f"is writable, resume={tracker.run_id} continues or closes it")
+        if disk_full(error) and not isinstance(error, UserError):  # one line, like other storage errors
+            error = StorageError(message)
+            error.run_failure = message
+            raise error from None
         error.run_failure = message  # what the command line prints: the same line as the run's tag
-        tracker.finish("FAILED", message, tags)
         raise
+    finally:
+        if lock is not None:
+            lock.release()
 
 
 def _fit_and_test(cfg, tracker, checkpoint_dir: Path, resume_from: Path | None, progress: dict) -> dict:
@@ -241,6 +249,7 @@ def _fit_and_test(cfg, tracker, checkpoint_dir: Path, resume_from: Path | None, 
         num_sanity_val_steps=0,
         log_every_n_steps=50,
         use_distributed_sampler=False,  # the DataModule gives each DDP rank its share of every global batch
+        plugins=[checkpoints.SafeCheckpointIO(model)],  # loads nothing unchecked, writes without a memory copy
     )
     progress["trainer"] = trainer
     if (trainer.global_rank == 0) != (tracker is not None):
@@ -261,8 +270,9 @@ def _fit_and_test(cfg, tracker, checkpoint_dir: Path, resume_from: Path | None, 
     best = callbacks["best"].best_model_path
     if best:  # restore the best weights, as the authors' early stopping does
         # Via the host: the checkpoint also holds Adam's moments, which must not count as GPU memory.
-        state = torch.load(best, map_location="cpu", weights_only=False)["state_dict"]
-        model.load_state_dict(state)
+        state = checkpoints.load(best, "best checkpoint")
+        checkpoints.check_state(state, model, best)
+        model.load_state_dict(state["state_dict"])
     model.to(device)
     inv_prop = model.val_metrics.inv_propensity
     test = model.evaluate(dm.test_dataloader(), inv_prop)

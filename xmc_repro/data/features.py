@@ -62,9 +62,15 @@ def normalize_rows(x: sp.csr_matrix, how: str) -> sp.csr_matrix:
     """Bag-of-words rows scaled to unit L2 norm (``l2``) or left as they are (``none``)."""
     if how == "none":
         return x
-    norms = np.sqrt(np.asarray(x.multiply(x).sum(axis=1)).ravel())
+    # Each row is divided by its largest |value| first: squaring float32 values near 3e38 would overflow to
+    # inf and turn the whole row into zeros.
+    x = sp.csr_matrix(x, dtype=np.float32)
+    peak = np.asarray(abs(x).max(axis=1).todense(), np.float64).ravel()
+    peak[peak == 0] = 1.0
+    scaled = sp.diags(1.0 / peak) @ x.astype(np.float64)
+    norms = np.sqrt(np.asarray(scaled.multiply(scaled).sum(axis=1)).ravel())
     norms[norms == 0] = 1.0
-    return sp.csr_matrix(sp.diags((1.0 / norms).astype(np.float32)) @ x, dtype=np.float32)
+    return sp.csr_matrix(sp.diags(1.0 / norms) @ scaled, dtype=np.float32)
 
 
 NORMALIZATIONS = ("tfidf", "l2", "none")

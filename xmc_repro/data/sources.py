@@ -109,7 +109,8 @@ def _xc(cfg) -> tuple[Split, Split]:
         raise ConfigError(f"dataset.normalize={normalize!r} is unknown; choose one of {', '.join(NORMALIZATIONS)}")
     root = _data_dir(cfg)
     paths = [root / cfg["train_file"], root / cfg["test_file"]]
-    missing = [str(p) for p in paths if not p.is_file()]
+    _not_files(paths)
+    missing = [str(p) for p in paths if not p.exists()]
     if missing:
         hint = "set dataset.data_dir=DIR (the folder with both files)"
         if cfg.get("shared_subdir") and not cfg.get("data_dir"):
@@ -133,6 +134,7 @@ def _npy(cfg) -> tuple[Split, Split]:
         names[f"{split}_labels"] = cfg.get(f"{split}_labels") or f"{split}-labels.txt"
         names[f"{split}_features"] = cfg.get(f"{split}_features") or f"{split}-{features}.npy"
     paths = {k: root / v for k, v in names.items()}
+    _not_files(paths.values())
     missing = [v for k, v in names.items() if not paths[k].is_file()]
     if missing:
         what = FEATURE_SOURCES.get(features, "float32 (points, features) embeddings")
@@ -157,6 +159,13 @@ def _npy(cfg) -> tuple[Split, Split]:
         paths["train_features"], paths["test_features"],
     )
     return train, test
+
+
+def _not_files(paths) -> None:
+    """A directory where a data file is expected is named as such (not as a missing file)."""
+    for path in paths:
+        if path.is_dir():
+            raise DataError(f"{path}: is a directory, expected a data file; name the file inside it")
 
 
 def _check_pair(train: LabelCSR, test: LabelCSR, train_dim: int, test_dim: int, train_path, test_path) -> None:

@@ -10,6 +10,7 @@ Two layouts share one parser:
 Files are read in chunks of whole lines and every chunk is parsed with vectorised numpy (no Python
 object per token), so time and memory are linear in the file size. A chunk that fails a check is
 re-read line by line to name the offending ``path:line`` (lines are 1-based; the header is line 1).
+A UTF-8 byte-order mark and Windows line ends (CRLF) are read as if absent.
 """
 
 from __future__ import annotations
@@ -26,6 +27,8 @@ from xmc_repro.errors import DataError
 CHUNK_BYTES = 8 << 20  # bytes of whole lines parsed at once; the parse peaks at ~30x this
 _SP, _NL, _COMMA, _COLON = (ord(c) for c in " \n,:")
 _DIGIT_LO, _DIGIT_HI = ord("0"), ord("9")
+_BOM = b"\xef\xbb\xbf"
+_GZIP = b"\x1f\x8b"
 
 
 @dataclass
@@ -41,13 +44,27 @@ class XCData:
 # --------------------------------------------------------------------------------------------- reading
 
 
+def first_line(path: Path) -> bytes:
+    """The file's first line (byte-order mark dropped); DataError when it is no readable text file."""
+    path = Path(path)
+    if path.is_dir():
+        raise DataError(f"{path}: is a directory, expected a data file; name the file inside it")
+    if not path.is_file():
+        raise DataError(f"{path}: file not found; check the path (or the dataset.data_dir setting)")
+    try:
+        with path.open("rb") as fh:
+            first = fh.readline()
+    except OSError as error:  # PermissionError, an unreadable disk
+        raise DataError(f"{path}: cannot be read ({error.strerror or error}); make it readable (e.g. chmod a+r)") from None
+    if first.startswith(_GZIP):
+        raise DataError(f"{path}: gzip-compressed; decompress it first (gunzip -k {path}) and use the .txt file")
+    return first.removeprefix(_BOM)
+
+
 def read_header(path: Path, fields: int) -> tuple[int, ...]:
     """The header's ``fields`` non-negative integers; DataError for a missing, empty or malformed file."""
     path = Path(path)
-    if not path.is_file():
-        raise DataError(f"{path}: file not found; check the path (or the dataset.data_dir setting)")
-    with path.open("rb") as fh:
-        first = fh.readline()
+    first = first_line(path)
     if not first.strip():
         raise DataError(f"{path}:1: empty file (or empty header line); expected a header of {fields} numbers")
     parts = first.split()
@@ -66,6 +83,10 @@ def read_xc(path: str | Path, labels_only: bool = False) -> XCData:
     """
     path = Path(path)
     points, num_features, num_labels = read_header(path, 3)
+    if num_labels == 0 or (num_features == 0 and not labels_only):
+        what = "label" if num_labels == 0 else "feature"
+        raise DataError(f"{path}:1: the header declares 0 {what}s; fix it to the dataset's {what} count "
+                        "(header: 'points features labels')")
     rows = _read_rows(path, points, num_labels, num_features, has_labels=True, labels_only=labels_only)
     labels = LabelCSR(rows.label_ptr, rows.label_idx, num_labels).deduplicated()
     features = None if labels_only else rows.feature_matrix(num_features)
@@ -76,6 +97,8 @@ def read_sparse_matrix(path: str | Path) -> sp.csr_matrix:
     """Read a sparse matrix file (header ``rows columns``, lines ``c:v ...``) as float32 CSR."""
     path = Path(path)
     n_rows, n_cols = read_header(path, 2)
+    if n_cols == 0:
+        raise DataError(f"{path}:1: the header declares 0 columns; it must give the column count (line 1: 'rows columns')")
     return _read_rows(path, n_rows, 0, n_cols, has_labels=False, labels_only=False).feature_matrix(n_cols)
 
 
@@ -88,10 +111,7 @@ def read_sparse_labels(path: str | Path) -> LabelCSR:
 def read_labels(path: str | Path) -> LabelCSR:
     """Label lists from either layout, told apart by the header: 3 numbers = XC file, 2 = sparse label file."""
     path = Path(path)
-    if not path.is_file():
-        raise DataError(f"{path}: file not found; check the path (or the dataset.data_dir setting)")
-    with path.open("rb") as fh:
-        fields = len(fh.readline().split())
+    fields = len(first_line(path).split())
     if fields == 2:
         return read_sparse_labels(path)
     return read_xc(path, labels_only=True).labels  # raises for a malformed header
@@ -102,8 +122,10 @@ class _Rows:
 
     def __init__(self):
         self.label_counts, self.labels, self.feat_counts, self.feat_idx, self.feat_val = [], [], [], [], []
+        self.blanks = []
 
-    def add(self, label_counts, labels, feat_counts, feat_idx, feat_val):
+    def add(self, label_counts, labels, feat_counts, feat_idx, feat_val, blank):
+        self.blanks.append(blank)
         self.label_counts.append(label_counts)
         self.labels.append(labels)
         self.feat_counts.append(feat_counts)
@@ -114,6 +136,7 @@ class _Rows:
         cat = lambda parts, dtype: np.concatenate(parts).astype(dtype, copy=False) if parts else np.zeros(0, dtype)
         label_counts = cat(self.label_counts, np.int64)[:n]
         feat_counts = cat(self.feat_counts, np.int64)[:n]
+        self.blank = cat(self.blanks, bool)[:n]  # lines holding nothing but white space
         self.label_ptr = _ptr(label_counts)
         self.label_idx = cat(self.labels, np.int64)[: self.label_ptr[-1]]
         self.feat_ptr = _ptr(feat_counts)
@@ -161,9 +184,18 @@ def _read_rows(path, n_rows, num_labels, num_cols, has_labels, labels_only) -> _
         )
     rows.finish(seen)
     if seen > n_rows:
-        # Blank lines after the last point are harmless; anything else means the header is wrong.
-        extra = slice(n_rows, seen)
-        if np.diff(rows.label_ptr)[extra].any() or np.diff(rows.feat_ptr)[extra].any():
+        # Blank lines after the last point are harmless; anything else means the header is wrong, or a blank
+        # line inside the data (read as a point without labels or features) shifted the points after it.
+        nonblank = np.flatnonzero(~rows.blank)
+        data_lines = int(nonblank[-1]) + 1 if len(nonblank) else 0
+        inner_blank = np.flatnonzero(rows.blank[:data_lines])
+        if data_lines > n_rows and len(inner_blank):
+            raise DataError(
+                f"{path}:{int(inner_blank[0]) + 2}: blank line inside the data; the file has {data_lines} data lines "
+                f"but its header (line 1) declares {n_rows} points: remove the blank line"
+                f"{'s' if len(inner_blank) > 1 else ''} ({len(inner_blank)} in all)"
+            )
+        if data_lines > n_rows:
             raise DataError(
                 f"{path}:{n_rows + 2}: more data lines than the {n_rows} points declared in the header (line 1); "
                 "fix the header's point count or remove the extra lines"
@@ -182,6 +214,7 @@ def _parse_chunk(path, data: bytes, first_line: int, num_labels, num_cols, has_l
     line_start = np.concatenate(([0], line_end[:-1] + 1))
     line_of = np.cumsum(is_nl, dtype=np.int32) - is_nl  # line index (within the chunk) of every byte
     is_sep = is_nl | (a == _SP)
+    blank = np.bincount(line_of[~is_sep], minlength=n_lines) == 0
     is_digit = (a >= _DIGIT_LO) & (a <= _DIGIT_HI)
     bad = np.zeros(n_lines, bool)  # lines that fail a format check
 
@@ -264,7 +297,7 @@ def _parse_chunk(path, data: bytes, first_line: int, num_labels, num_cols, has_l
             f"{path}:{line_at(feat_counts, k)}: value {feat_val[k]} of {what} {int(feat_idx[k])} is not a finite "
             "float32 number; replace it (e.g. with 0) or drop the entry"
         )
-    return label_counts, labels, feat_counts, feat_idx, feat_val
+    return label_counts, labels, feat_counts, feat_idx, feat_val, blank
 
 
 def _parse_numbers(text: np.ndarray) -> np.ndarray | None:

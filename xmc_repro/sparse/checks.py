@@ -3,29 +3,13 @@ from __future__ import annotations
 
 import torch
 
-from xmc_repro.errors import ConfigError
+from xmc_repro.validation import check_layer_sizes  # noqa: F401  (the sizes a layer is built with)
 
 INT32_LIMIT = 2**31
 
 
 class SparseInputError(ValueError):
     """A tensor handed to the sparse op has the wrong shape, dtype, device or layout."""
-
-
-def check_layer_sizes(in_features: int, out_features: int, connectivity: int) -> None:
-    """Validate the sizes a sparse layer is built with (they come straight from the config)."""
-    for name, value in (("model.connectivity", connectivity), ("out_features", out_features),
-                        ("in_features", in_features)):
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            raise ConfigError(f"{name}={value!r} must be a positive integer")
-    if connectivity > in_features:
-        raise ConfigError(
-            f"model.connectivity={connectivity} exceeds the layer's {in_features} input features; "
-            f"set model.connectivity <= {in_features} (or use model.head=dense)")
-    if connectivity * out_features >= INT32_LIMIT:
-        raise ConfigError(
-            f"model.connectivity * labels = {connectivity} * {out_features} >= 2**31 does not fit the int32 "
-            "indices; lower model.connectivity")
 
 
 def check_op_inputs(x: torch.Tensor, indices: torch.Tensor, weight: torch.Tensor,

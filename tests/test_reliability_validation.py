@@ -1,0 +1,152 @@
+"""Settings refused up front, in one line naming the setting and the fix, before any run is opened.
+
+Most cases are checked on the composed config (`xmc_repro.validation.validate`, what the command line runs
+first); two go through the real command line: exit status 2, one `error:` line, no MLflow run.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from test_reliability_common import ROOT, TINY, cli, cli_env, copy_store, make_store, runs, stderr_lines
+from test_reliability_common import no_run_left_running  # noqa: F401  (autouse)
+from xmc_repro import validation
+from xmc_repro.errors import ConfigError
+
+
+def compose(overrides):
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+
+    with initialize_config_dir(str(ROOT / "conf"), version_base="1.3"):
+        return hydra_compose("config", overrides=overrides)
+
+
+# (overrides, what the one line must say)
+REFUSED = {
+    "seed_negative": (["seed=-1"], "seed=-1 must be an integer in [0, 4294967295]"),
+    "seed_too_large": ([f"seed={2**32}"], "seed=4294967296 must be an integer in [0, 4294967295]"),
+    "lr_nan": (["trainer.lr=nan"], "trainer.lr=nan must be a finite number > 0"),
+    "lr_inf": (["trainer.lr=inf"], "trainer.lr=inf must be a finite number > 0"),
+    "lr_factor_2": (["trainer.lr_factor=2"], "trainer.lr_factor=2 must be a finite number in (0, 1)"),
+    "lr_factor_1": (["trainer.lr_factor=1"], "trainer.lr_factor=1 must be a finite number in (0, 1)"),
+    "lr_factor_0": (["trainer.lr_factor=0"], "trainer.lr_factor=0 must be a finite number in (0, 1)"),
+    "min_lr_negative": (["trainer.min_lr=-1"], "trainer.min_lr=-1 must be a finite number >= 0"),
+    "early_stop_patience_negative": (["trainer.early_stop_patience=-1"], "trainer.early_stop_patience=-1 must be"),
+    "dropout_1.5": (["dataset.dropout=1.5"], "dataset.dropout=1.5 must be a finite number in [0, 1)"),
+    "dropout_1": (["dataset.dropout=1"], "dataset.dropout=1 must be a finite number in [0, 1)"),
+    "limit_train_batches_0": (["trainer.limit_train_batches=0"], "trainer.limit_train_batches=0 must be an integer >= 1"),
+    "limit_train_batches_0.0": (["trainer.limit_train_batches=0.0"], "trainer.limit_train_batches=0.0 must be"),
+    "mach_num_buckets_0": (["model=mach", "model.mach.num_buckets=0"], "model.mach.num_buckets=0 must be a positive"),
+    "mach_num_hashes_0": (["model=mach", "model.mach.num_hashes=0"], "model.mach.num_hashes=0 must be a positive"),
+    "connectivity_0": (["model.connectivity=0"], "model.connectivity=0 must be a positive integer"),
+    "connectivity_2.5": (["model.connectivity=2.5"], "model.connectivity=2.5 must be a positive integer"),
+    "bottleneck_0": (["model=bottleneck", "model.bottleneck=0"], "model.bottleneck=0 must be a positive integer"),
+    "rewire_every_n_steps_negative": (["dataset.rewire_every_n_steps=-1"], "dataset.rewire_every_n_steps=-1 must be"),
+    "checkpoint_every_0": (["trainer.checkpoint_every_n_steps=0"], "trainer.checkpoint_every_n_steps=0 must be"),
+    "bf16_true": (["trainer.precision=bf16-true"], "trainer.precision=bf16-true: the sparse op of model.head=uniform "
+                  "would get bfloat16 weights"),
+    "fp16_true_mach": (["model=mach", "trainer.precision=16-true"], "the sparse op of model.head=mach would get float16"),
+    "batch_size_0": (["trainer.batch_size=0"], "trainer.batch_size=0 must be a positive integer"),
+    "intermediate_0": (["model.intermediate=0"], "model.intermediate=0 must be a positive layer size"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(REFUSED))
+def test_setting_is_refused_in_one_line(case):
+    overrides, expected = REFUSED[case]
+    with pytest.raises(ConfigError) as info:
+        validation.validate(compose(overrides))
+    message = str(info.value)
+    assert expected in message and "\n" not in message, message
+
+
+ACCEPTED = [
+    [],
+    ["seed=0"], [f"seed={2**32 - 1}"],
+    ["trainer.limit_train_batches=2"], ["trainer.limit_train_batches=0.5"], ["trainer.limit_train_batches=1.0"],
+    ["dataset.rewire_every_n_steps=null"], ["dataset.dropout=0"], ["trainer.min_lr=0"],
+    ["trainer.precision=bf16-mixed"],
+    # the op computes 16-bit activations in float32 under autocast
+    ["trainer.precision=bf16-mixed", "model.intermediate=16"], ["model=mach", "trainer.precision=16-mixed"],
+    ["trainer.precision=bf16-true", "model=dense"],
+    ["trainer.precision=bf16-mixed", "model=dense", "model.intermediate=16"],  # no sparse op
+    ["model=mach"], ["model=bottleneck"], ["model=unstructured"],
+]
+
+
+@pytest.mark.parametrize("overrides", ACCEPTED, ids=[" ".join(o) or "defaults" for o in ACCEPTED])
+def test_good_settings_pass(overrides):
+    validation.validate(compose(overrides))
+
+
+def test_positive_int_is_the_one_check_of_sizes():
+    from xmc_repro import model
+    from xmc_repro.sparse import checks
+
+    assert model._positive is validation.positive_int
+    assert checks.check_layer_sizes is validation.check_layer_sizes
+    assert validation.positive_int(8, "x") == 8 and validation.positive_int(8.0, "x") == 8
+    for bad in (0, -1, 2.5, True, None, "8", float("nan"), float("inf")):
+        with pytest.raises(ConfigError, match=r"^model.connectivity=.* must be a positive integer; set e.g."):
+            validation.positive_int(bad, "model.connectivity", example=32)
+
+
+def test_op_dtypes_match_the_op():
+    """validation.SPARSE_OP_DTYPES and SPARSE_OP_AUTOCAST must say what the op takes: update them with the op."""
+    import torch
+
+    from xmc_repro.sparse import uniform_sparse_linear
+
+    indices = torch.zeros(2, 3, dtype=torch.int32)
+    accepted = []
+    for dtype in (torch.float32, torch.float64, torch.bfloat16, torch.float16):
+        try:
+            uniform_sparse_linear(torch.ones(2, 4, dtype=dtype), indices, torch.ones(2, 3, dtype=dtype))
+        except Exception:  # SparseInputError, or no kernel for the dtype
+            continue
+        accepted.append(str(dtype).removeprefix("torch."))
+    assert tuple(accepted) == validation.SPARSE_OP_DTYPES
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        hidden = torch.nn.Linear(4, 4)(torch.ones(2, 4))
+        assert hidden.dtype == torch.bfloat16
+        try:
+            autocasts = uniform_sparse_linear(hidden, indices, torch.ones(2, 3)).dtype == torch.float32
+        except Exception:
+            autocasts = False
+    assert autocasts == validation.SPARSE_OP_AUTOCAST
+
+
+def test_validation_imports_nothing_heavy():
+    code = ("import sys, xmc_repro.validation; "
+            "print(sorted(m for m in ('torch', 'lightning', 'mlflow', 'numpy', 'hydra') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], env=cli_env(), capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and out.stdout.strip() == "[]", out.stdout + out.stderr
+
+
+CLI_CASES = {
+    "seed=-1": "error: seed=-1 must be an integer in [0, 4294967295]",
+    "trainer.lr=nan": "error: trainer.lr=nan must be a finite number > 0",
+}
+
+
+def test_through_the_command_line(tmp_path_factory):
+    store = make_store(tmp_path_factory.mktemp("store"))
+
+    def one(setting):
+        directory = tmp_path_factory.mktemp("cli")
+        copy_store(store, directory)
+        return directory, cli(directory, [*TINY, setting])
+
+    with ThreadPoolExecutor(2) as pool:
+        results = dict(zip(CLI_CASES, pool.map(one, CLI_CASES)))
+    for setting, (directory, result) in results.items():
+        assert result.returncode == 2, result.stderr[-2000:]
+        assert stderr_lines(result.stderr) == [CLI_CASES[setting]] or (
+            len(stderr_lines(result.stderr)) == 1 and stderr_lines(result.stderr)[0].startswith(CLI_CASES[setting])
+        ), result.stderr[-2000:]
+        assert runs(directory) == []

@@ -1,0 +1,155 @@
+"""Config values checked before anything heavy is imported or any run is opened.
+
+Only omegaconf and the standard library are imported here, so the command line can run `validate` before
+torch, Lightning and MLflow load. Every problem is a ConfigError: one line naming the setting and the fix.
+`positive_int` is the one check of positive integer sizes (the model and the sparse layers use it too).
+"""
+
+from __future__ import annotations
+
+import math
+
+from omegaconf import DictConfig, OmegaConf
+
+from xmc_repro.errors import ConfigError
+
+INT32_LIMIT = 2**31
+SEED_MAX = 2**32 - 1  # numpy's seeds (np.random.seed, seed_everything) lie in [0, 2**32 - 1]
+# What the uniform sparse op takes (xmc_repro.sparse.op; a test keeps these in step with it): tensors of these
+# dtypes, and under autocast (`-mixed` precisions) 16-bit activations, which it computes in float32. A precision
+# that would hand it 16-bit weights is refused up front instead of failing at the first forward.
+SPARSE_OP_DTYPES = ("float32", "float64")
+SPARSE_OP_AUTOCAST = True
+_SPARSE_OP_HEADS = ("uniform", "mach")  # heads that run the uniform op (MACH decodes through it)
+
+
+def positive_int(value, setting: str, example: int | None = None) -> int:
+    """`value` as an int if it is a positive integer (not a bool, not 2.5); ConfigError naming `setting` else."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not _is_int(value) or int(value) < 1:
+        hint = f"; set e.g. {setting}={example}" if example is not None else ""
+        raise ConfigError(f"{setting}={value!r} must be a positive integer{hint}")
+    return int(value)
+
+
+def _is_int(value) -> bool:
+    try:
+        return float(value) == int(float(value)) and int(value) == float(value)
+    except (TypeError, ValueError, OverflowError):
+        return False
+
+
+def check_layer_sizes(in_features: int, out_features: int, connectivity: int) -> None:
+    """The sizes a sparse layer is built with (they come straight from the config and the data)."""
+    for name, value in (("model.connectivity", connectivity), ("out_features", out_features),
+                        ("in_features", in_features)):
+        if not isinstance(value, int):  # a layer is built from ints only; 8.0 is a caller's mistake
+            raise ConfigError(f"{name}={value!r} must be a positive integer")
+        positive_int(value, name)
+    if connectivity > in_features:
+        raise ConfigError(
+            f"model.connectivity={connectivity} exceeds the layer's {in_features} input features; "
+            f"set model.connectivity <= {in_features} (or use model.head=dense)")
+    if connectivity * out_features >= INT32_LIMIT:
+        raise ConfigError(
+            f"model.connectivity * labels = {connectivity} * {out_features} >= 2**31 does not fit the int32 "
+            "indices; lower model.connectivity")
+
+
+def number(cfg: DictConfig, key: str, kind=float, low=None, high=None, low_open=False, high_open=False,
+           fix: str = ""):
+    """The setting `key` as `kind` (int or a finite float) within the given bounds; ConfigError otherwise."""
+    value = OmegaConf.select(cfg, key)
+    ok = not isinstance(value, bool) and isinstance(value, (int, float))
+    if ok and kind is int:
+        ok = _is_int(value)
+    if ok:
+        value = kind(value)
+        ok = math.isfinite(value)
+    if ok and low is not None:
+        ok = value > low if low_open else value >= low
+    if ok and high is not None:
+        ok = value < high if high_open else value <= high
+    if not ok:
+        what = "an integer" if kind is int else "a finite number"
+        if low is not None and high is not None:
+            what += f" in {'(' if low_open else '['}{low}, {high}{')' if high_open else ']'}"
+        elif low is not None:
+            what += f" {'>' if low_open else '>='} {low}"
+        raise ConfigError(f"{key}={OmegaConf.select(cfg, key)!r} must be {what}{'; ' + fix if fix else ''}")
+    return value
+
+
+def _optional_positive(cfg: DictConfig, key: str, fix: str) -> None:
+    value = OmegaConf.select(cfg, key, default=None)
+    if value is not None:
+        number(cfg, key, int, low=1, fix=fix)
+
+
+def validate(cfg: DictConfig) -> None:
+    """Settings that would otherwise fail deep inside training, or silently train something else."""
+    for key in ("trainer.batch_size", "trainer.eval_batch_size", "trainer.max_epochs"):
+        positive_int(OmegaConf.select(cfg, key), key)
+    number(cfg, "seed", int, low=0, high=SEED_MAX, fix="numpy's seeds lie in [0, 2**32 - 1]")
+    t = "trainer."
+    number(cfg, t + "lr", low=0, low_open=True, fix="e.g. trainer.lr=1e-3")
+    number(cfg, t + "lr_factor", low=0, high=1, low_open=True, high_open=True,
+           fix="the LR is multiplied by it on a plateau, e.g. trainer.lr_factor=0.5")
+    number(cfg, t + "min_lr", low=0)
+    number(cfg, t + "lr_patience", int, low=0)
+    number(cfg, t + "lr_threshold", low=0)
+    number(cfg, t + "early_stop_patience", int, low=0, fix="epochs without improvement before stopping")
+    number(cfg, t + "early_stop_min_delta", low=0)
+    _limit_train_batches(cfg)
+    _optional_positive(cfg, t + "checkpoint_every_n_steps", "or null for a checkpoint at every epoch end only")
+    _optional_positive(cfg, "dataset.rewire_every_n_steps", "or null for no rewiring by steps")
+    number(cfg, "dataset.dropout", low=0, high=1, high_open=True)
+    if cfg.validate_on not in ("test", "holdout"):
+        raise ConfigError(f"validate_on={cfg.validate_on!r} must be 'test' (the authors' protocol) or 'holdout'")
+    _model(cfg)
+
+
+def _limit_train_batches(cfg: DictConfig) -> None:
+    """null (all), a number of batches >= 1, or a fraction of the epoch in (0, 1]; 0 would train nothing."""
+    key = "trainer.limit_train_batches"
+    value = OmegaConf.select(cfg, key, default=None)
+    if value is None:
+        return
+    if isinstance(value, float) and not _is_int(value):
+        number(cfg, key, low=0, high=1, low_open=True, fix="a fraction of each epoch, or a number of batches")
+    else:
+        number(cfg, key, int, low=1, fix="a number of batches, a fraction of each epoch, or null for all")
+
+
+def _model(cfg: DictConfig) -> None:
+    m = cfg.model
+    if m.intermediate is not None and not (_is_int(m.intermediate) and int(m.intermediate) > 0):
+        raise ConfigError(
+            f"model.intermediate={m.intermediate} must be a positive layer size, or null for no intermediate layer"
+        )
+    number(cfg, "model.rewire_fraction", low=0, high=1, high_open=True)
+    if m.head in ("uniform", "unstructured"):
+        positive_int(m.get("connectivity"), "model.connectivity", example=32)
+    if m.head == "bottleneck":
+        positive_int(m.get("bottleneck"), "model.bottleneck", example=64)
+    if m.head == "mach":
+        mach = m.get("mach") or {}
+        for name in ("num_hashes", "num_buckets"):
+            positive_int(mach.get(name), f"model.mach.{name}", example=8 if name == "num_hashes" else 1024)
+    _precision(cfg)
+
+
+def _precision(cfg: DictConfig) -> None:
+    """A 16-bit precision that would hand the uniform op 16-bit tensors it does not take."""
+    precision = str(OmegaConf.select(cfg, "trainer.precision", default="32-true"))
+    if "16" not in precision or cfg.model.head not in _SPARSE_OP_HEADS:
+        return
+    dtype = "bfloat16" if "bf16" in precision else "float16"
+    mixed = not precision.endswith("-true")  # "16" and "bf16" are Lightning's names for the mixed ones
+    if dtype in SPARSE_OP_DTYPES or (mixed and SPARSE_OP_AUTOCAST):
+        return
+    what = f"{dtype} activations" if mixed else f"{dtype} weights"
+    raise ConfigError(
+        f"trainer.precision={precision}: the sparse op of model.head={cfg.model.head} would get {what}; it computes "
+        f"in {' or '.join(SPARSE_OP_DTYPES)} only: use trainer.precision=bf16-mixed (16-bit activations, float32 "
+        "weights) or 32-true"
+    )
