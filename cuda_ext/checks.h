@@ -41,4 +41,19 @@ inline void check_grad(const at::Tensor& grad_out, const at::Tensor& indices) {
   TORCH_CHECK(grad_out.size(1) == indices.size(1), "grad_out must have out_features columns");
 }
 
+inline void check_backward_input(const at::Tensor& grad_out, const at::Tensor& indices, const at::Tensor& weight) {
+  check_structure(indices, weight);
+  check_grad(grad_out, indices);
+  TORCH_CHECK(weight.scalar_type() == grad_out.scalar_type(), "weight dtype must equal grad_out dtype");
+}
+
+inline void check_backward_weight(const at::Tensor& grad_out, const at::Tensor& x, const at::Tensor& indices) {
+  check_grad(grad_out, indices);
+  check_dense(x, indices, "x");
+  TORCH_CHECK(indices.dim() == 2 && indices.scalar_type() == at::kInt && indices.is_contiguous(),
+              "indices must be contiguous int32 (connectivity, out_features)");
+  TORCH_CHECK(x.size(0) == grad_out.size(0) && x.scalar_type() == grad_out.scalar_type(),
+              "x and grad_out must share batch size and dtype");
+}
+
 }  // namespace xmc_sparse

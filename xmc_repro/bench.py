@@ -158,7 +158,7 @@ def _step(loss_fn, opt, grad):
 
 def _csr_pair(rows, cols, values, shape):
     """W and W^T as torch CSR tensors (through COO, which sorts the entries)."""
-    coo = torch.sparse_coo_tensor(torch.stack([rows, cols]), values, shape).coalesce()
+    coo = torch.sparse_coo_tensor(torch.stack([rows, cols]), values, shape, check_invariants=False).coalesce()
     with warnings.catch_warnings():  # torch warns that CSR support is "beta" on first use
         warnings.simplefilter("ignore")
         return coo.to_sparse_csr(), coo.t().coalesce().to_sparse_csr()

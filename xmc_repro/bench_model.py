@@ -12,13 +12,15 @@ Reported per model:
   the device (CUDA events; on a CPU both are the same synchronous time);
 * ``host overhead ms`` = step ms minus the phases' device time: time the device is not working on the step
   (Python, the loop, launches the device waits for);
-* memory: peak allocated during the steps (GPU); parameter + optimizer state bytes (CPU).
+* memory: peak allocated during the steps (GPU); parameter + optimizer state bytes (CPU);
+* on a GPU, ``syncs_per_step``: where a step makes the host wait for the device (should be empty).
 """
 from __future__ import annotations
 
 import json
 import os
 import time
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -80,6 +82,18 @@ class _Clock:
         return host, [a.elapsed_time(b) for a, b in zip(self.events, self.events[1:])]
 
 
+def device_syncs(step) -> list[str]:
+    """Where one call of ``step`` makes the host wait for the GPU (torch's sync debug mode), as file:line."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            step()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    return [f"{w.filename}:{w.lineno}" for w in caught if "synchroniz" in str(w.message)]
+
+
 def _state_bytes(model, optimizer) -> int:
     tensors = list(model.parameters()) + [t for s in optimizer.state.values() for t in s.values()
                                           if isinstance(t, torch.Tensor)]
@@ -139,6 +153,7 @@ def measure(shape: ModelShape, device, steps: int, warmup: int) -> dict:
     row["host_overhead_ms"] = max(0.0, step_ms - sum(row[f"{p}_device_ms"] for p in PHASES))
     if device.type == "cuda":
         row["peak_gib"] = torch.cuda.max_memory_allocated(device) / GIB
+        row["syncs_per_step"] = device_syncs(step)
     row["param_optimizer_gib"] = _state_bytes(model, optimizer) / GIB
     del model, optimizer
     return row
@@ -161,6 +176,10 @@ def markdown(info: dict, rows: list[dict], scale: float) -> str:
         lines.append(f"| {r['model']} | {r['labels']:,} | {r['intermediate'] or ''} | {r['parameters'] / 1e6:.1f}M | "
                      f"{r['step_ms']:.3f} | {phases} | {r['host_overhead_ms']:.3f} | {peak} | "
                      f"{r['param_optimizer_gib']:.3f} |")
+    for r in rows:
+        if "syncs_per_step" in r:
+            where = ", ".join(sorted(set(r["syncs_per_step"]))) or "none"
+            lines.append(f"\n{r['model']}: {len(r['syncs_per_step'])} device-to-host syncs per step ({where}).")
     by = {r["model"]: r for r in rows}
     if "dense" in by and "uniform" in by:
         lines += ["", f"Uniform step {by['dense']['step_ms'] / by['uniform']['step_ms']:.2f}x faster than dense "

@@ -148,9 +148,7 @@ at::Tensor forward_cpu(const at::Tensor& x, const at::Tensor& indices, const at:
 
 at::Tensor backward_input_cpu(const at::Tensor& grad_out, const at::Tensor& indices, const at::Tensor& weight,
                               int64_t in_features) {
-  check_structure(indices, weight);
-  check_grad(grad_out, indices);
-  TORCH_CHECK(weight.scalar_type() == grad_out.scalar_type(), "weight dtype must equal grad_out dtype");
+  check_backward_input(grad_out, indices, weight);
   const int64_t batch = grad_out.size(0), conn = indices.size(0), labels = indices.size(1);
   auto grad_x = grad_out.new_zeros({batch, in_features});
   if (batch == 0) return grad_x;
@@ -163,12 +161,7 @@ at::Tensor backward_input_cpu(const at::Tensor& grad_out, const at::Tensor& indi
 }
 
 at::Tensor backward_weight_cpu(const at::Tensor& grad_out, const at::Tensor& x, const at::Tensor& indices) {
-  check_grad(grad_out, indices);
-  check_dense(x, indices, "x");
-  TORCH_CHECK(indices.dim() == 2 && indices.scalar_type() == at::kInt && indices.is_contiguous(),
-              "indices must be contiguous int32 (connectivity, out_features)");
-  TORCH_CHECK(x.size(0) == grad_out.size(0) && x.scalar_type() == grad_out.scalar_type(),
-              "x and grad_out must share batch size and dtype");
+  check_backward_weight(grad_out, x, indices);
   const int64_t batch = grad_out.size(0), conn = indices.size(0), labels = indices.size(1);
   auto grad_w = grad_out.new_empty({conn, labels});
   if (batch == 0) return grad_w.zero_();

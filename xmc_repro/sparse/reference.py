@@ -11,51 +11,40 @@ import torch
 _CHUNK_ELEMENTS = 1 << 22
 
 
-def _label_chunks(batch: int, out_features: int):
+def _slots(indices: torch.Tensor, batch: int):
+    """(k, label slice, int64 sources) for every connection slot: labels in chunks, connections one at a time."""
+    connectivity, out_features = indices.shape
     step = max(1, _CHUNK_ELEMENTS // max(batch, 1))
     for start in range(0, out_features, step):
-        yield slice(start, min(start + step, out_features))
+        cols = slice(start, min(start + step, out_features))
+        for k in range(connectivity):
+            yield k, cols, indices[k, cols].long()
 
 
 def forward(x: torch.Tensor, indices: torch.Tensor, weight: torch.Tensor,
             bias: torch.Tensor | None = None) -> torch.Tensor:
     """out[b, j] = sum_k weight[k, j] * x[b, indices[k, j]] + bias[j]."""
-    batch = x.shape[0]
-    connectivity, out_features = indices.shape
-    out = torch.empty(batch, out_features, dtype=x.dtype, device=x.device)
-    for cols in _label_chunks(batch, out_features):
-        acc = out[:, cols]
-        if bias is None:
-            acc.zero_()
-        else:
-            acc.copy_(bias[cols].expand_as(acc))
-        for k in range(connectivity):
-            acc.addcmul_(x.index_select(1, indices[k, cols].long()), weight[k, cols])
+    batch, out_features = x.shape[0], indices.shape[1]
+    out = x.new_zeros(batch, out_features) if bias is None else bias.repeat(batch, 1)  # a copy, never a view
+    for k, cols, src in _slots(indices, batch):
+        out[:, cols].addcmul_(x.index_select(1, src), weight[k, cols])
     return out
 
 
 def backward_input(grad_out: torch.Tensor, indices: torch.Tensor, weight: torch.Tensor,
                    in_features: int) -> torch.Tensor:
     """grad_x[b, i] = sum over (k, j) with indices[k, j] == i of weight[k, j] * grad_out[b, j]."""
-    batch = grad_out.shape[0]
-    connectivity, out_features = indices.shape
-    grad_x = torch.zeros(batch, in_features, dtype=grad_out.dtype, device=grad_out.device)
-    for cols in _label_chunks(batch, out_features):
-        g = grad_out[:, cols]
-        for k in range(connectivity):
-            grad_x.index_add_(1, indices[k, cols].long(), g * weight[k, cols])
+    grad_x = grad_out.new_zeros(grad_out.shape[0], in_features)
+    for k, cols, src in _slots(indices, grad_out.shape[0]):
+        grad_x.index_add_(1, src, grad_out[:, cols] * weight[k, cols])
     return grad_x
 
 
 def backward_weight(grad_out: torch.Tensor, x: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
     """grad_weight[k, j] = sum_b grad_out[b, j] * x[b, indices[k, j]]."""
-    batch = grad_out.shape[0]
-    connectivity, out_features = indices.shape
-    grad_w = torch.empty(connectivity, out_features, dtype=grad_out.dtype, device=grad_out.device)
-    for cols in _label_chunks(batch, out_features):
-        g = grad_out[:, cols]
-        for k in range(connectivity):
-            torch.sum(g * x.index_select(1, indices[k, cols].long()), dim=0, out=grad_w[k, cols])
+    grad_w = grad_out.new_empty(indices.shape)
+    for k, cols, src in _slots(indices, grad_out.shape[0]):
+        torch.sum(grad_out[:, cols] * x.index_select(1, src), dim=0, out=grad_w[k, cols])
     return grad_w
 
 
