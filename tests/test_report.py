@@ -1,46 +1,27 @@
-"""Export (MLflow -> runs.csv) and rendering (runs.csv + published numbers -> tables, figures).
+"""Run records -> runs.csv -> tables, figures and claims; records from a real MLflow store.
 
-The store is a real sqlite MLflow store filled through the MLflow API with exactly the pipeline's keys
-(params = the config flattened with `/`, metrics `test/p_at_k` ..., tags `table`, `scale`, `device`).
+Records are written as `records add` writes them: params = the config flattened under its Hydra keys, metrics
+`test/p_at_k` ..., tags `table`, `scale`, `device`. The store tests use a real sqlite MLflow store.
 """
 
 from __future__ import annotations
 
 import csv
+import json
 import math
 import shutil
-import subprocess
+import uuid
 
 import pytest
 
-from xmc_repro.report import paper
-from xmc_repro.report.export import export, read_runs_csv
+from xmc_repro.report import paper, records
+from xmc_repro.report.export import export, read_runs_csv, summarize, write_runs_csv
 from xmc_repro.report.figures import render_figures
 from xmc_repro.report.identity import configuration, paper_key, paper_width
 from xmc_repro.report.render import latex, markdown, render_tables, table_rows
 
 CPU = "cpu (x86_64, 2 threads)"
-
-
-@pytest.fixture(scope="session")
-def empty_store(tmp_path_factory):
-    """An initialised sqlite store (creating its schema takes seconds), copied for every test."""
-    from mlflow.tracking import MlflowClient
-
-    path = tmp_path_factory.mktemp("store") / "mlruns.db"
-    MlflowClient(f"sqlite:///{path}").create_experiment("xmc_repro")
-    return path
-
-
-@pytest.fixture
-def store(tmp_path, empty_store):
-    from mlflow.tracking import MlflowClient
-
-    shutil.copy(empty_store, tmp_path / "mlruns.db")
-    uri = f"sqlite:///{tmp_path / 'mlruns.db'}"
-    client = MlflowClient(uri)
-    return uri, client, client.get_experiment_by_name("xmc_repro").experiment_id
-
+H200 = "NVIDIA H200"
 
 # (dataset.name, dataset.features) of some dataset configs
 SMOKE_AMAZON_SLICE = ("Smoke-Amazon-670K", "slice")
@@ -56,6 +37,8 @@ def params_of(dataset, head, connectivity=None, intermediate=None, loss="squared
     return {
         "dataset/name": dataset[0],
         "dataset/features": dataset[1],
+        "dataset/num_features": "64",
+        "dataset/num_labels": "670",
         "model/head": head,
         "model/connectivity": str(connectivity),
         "model/intermediate": str(intermediate),
@@ -67,29 +50,31 @@ def params_of(dataset, head, connectivity=None, intermediate=None, loss="squared
     }
 
 
-def log_run(store, params, metrics, table="table1", scale="smoke", status="FINISHED", device=CPU, start=None):
-    from mlflow.entities import Metric, Param, RunTag
-
-    _, client, experiment = store
-    run_id = client.create_run(experiment, start_time=start).info.run_id
-    tags = {"table": table, "scale": scale, "device": device, "sparse_backend": "reference", "git_commit": "abc"}
-    client.log_batch(
-        run_id,
-        metrics=[Metric(k, v, 0, 0) for k, v in metrics.items()],
-        params=[Param(k, v) for k, v in params.items()],
-        tags=[RunTag(k, v) for k, v in tags.items() if v is not None],
-    )
-    if status != "RUNNING":
-        client.set_terminated(run_id, status)
-    return run_id
-
-
-def metrics_of(p1, p3=None, p5=None, memory=None, epochs=3.0):
-    metrics = {"test/p_at_1": p1, "test/p_at_3": p3 or p1 / 2, "test/p_at_5": p5 or p1 / 3, "train/p_at_1": p1 + 10,
-               "val/p_at_3": p1 / 2, "epochs": epochs, "time_per_epoch_s": 1.5}  # fmt: skip
+def metrics_of(p1, p3=None, p5=None, memory=None, epochs=3.0, train_p1=None, seconds=1.5):
+    metrics = {"test/p_at_1": p1, "test/p_at_3": p3 or p1 / 2, "test/p_at_5": p5 or p1 / 3,
+               "train/p_at_1": p1 + 10 if train_p1 is None else train_p1, "val/p_at_3": p1 / 2, "epochs": epochs,
+               "time_per_epoch_s": seconds}  # fmt: skip
     if memory is not None:
         metrics["peak_gpu_memory_gib"] = memory
     return metrics
+
+
+@pytest.fixture
+def store(tmp_path):
+    """A records directory."""
+    return tmp_path / "records"
+
+
+def log_run(directory, params, metrics, table="table1", scale="smoke", status="FINISHED", device=CPU, start=None):
+    """Write a record as `records add` would; returns its run id."""
+    run_id = uuid.uuid4().hex
+    tags = {"table": table, "scale": scale, "device": device, "sparse_backend": "reference", "git_commit": "abc"}
+    records.save({
+        "run_id": run_id, "run_name": "", "status": status, "start_time": f"2026-01-01T00:00:{(start or 0) % 60:02d}",
+        "end_time": "", "params": params, "metrics": metrics, "tags": {k: v for k, v in tags.items() if v},
+        "source": "mlflow",
+    }, directory)  # fmt: skip
+    return run_id
 
 
 # ---------------------------------------------------------------------------------------------------- export
@@ -100,9 +85,8 @@ def test_export_ignores_failed_running_and_killed_runs(store, tmp_path):
     log_run(store, params, metrics_of(41.0))
     log_run(store, params, metrics_of(99.0), status="FAILED")
     log_run(store, params, metrics_of(98.0), status="RUNNING")
-    log_run(store, params, metrics_of(97.0), status="KILLED")
-    log_run(store, params_of(SMOKE_AMAZON_SLICE, "dense"), metrics_of(12.0), status="FAILED")
-    rows = export(tmp_path / "runs.csv", store[0])
+    log_run(store, params_of(SMOKE_AMAZON_SLICE, "dense"), metrics_of(12.0), status="KILLED")
+    rows = export(tmp_path / "runs.csv", store)
     assert len(rows) == 1
     (row,) = read_runs_csv(tmp_path / "runs.csv")
     assert (row["dataset"], row["setup"], row["runs"]) == ("Smoke-Amazon-670K", "uniform", "1")
@@ -111,11 +95,11 @@ def test_export_ignores_failed_running_and_killed_runs(store, tmp_path):
 
 def test_export_takes_the_latest_run_per_seed_then_mean_and_spread_over_seeds(store, tmp_path):
     params = {seed: params_of(BIBTEX, "uniform", 32, 256, seed=seed) for seed in (0, 1, 2)}
-    log_run(store, params[0], metrics_of(10.0), start=1_000)
-    log_run(store, params[0], metrics_of(30.0), start=3_000)  # rerun of seed 0: replaces the first
-    log_run(store, params[1], metrics_of(50.0), start=2_000)
-    log_run(store, params[2], metrics_of(40.0, memory=1.25), start=2_500)
-    (row,) = export(tmp_path / "runs.csv", store[0])
+    log_run(store, params[0], metrics_of(10.0), start=10)
+    log_run(store, params[0], metrics_of(30.0), start=30)  # rerun of seed 0: replaces the first
+    log_run(store, params[1], metrics_of(50.0), start=20)
+    log_run(store, params[2], metrics_of(40.0, memory=1.25), start=25)
+    (row,) = export(tmp_path / "runs.csv", store)
     values = [30.0, 50.0, 40.0]
     mean = sum(values) / 3
     spread = math.sqrt(sum((v - mean) ** 2 for v in values) / 2)
@@ -132,9 +116,9 @@ def test_export_keeps_configurations_tables_and_scales_apart_and_skips_untagged_
     log_run(store, params_of(BIBTEX, "uniform", 32, 256), metrics_of(44.0), scale="paper")
     log_run(store, params_of(BIBTEX, "uniform", 32, 256), metrics_of(45.0), table=None)  # an ad-hoc run
     # a dense run's leftover connectivity does not make it another configuration
-    log_run(store, params_of(BIBTEX, "dense", 32), metrics_of(20.0), start=1_000)
-    log_run(store, params_of(BIBTEX, "dense", None), metrics_of(21.0), start=2_000)
-    rows = export(tmp_path / "runs.csv", store[0])
+    log_run(store, params_of(BIBTEX, "dense", 32), metrics_of(20.0), start=10)
+    log_run(store, params_of(BIBTEX, "dense", None), metrics_of(21.0), start=20)
+    rows = export(tmp_path / "runs.csv", store)
     found = {(r["table"], r["scale"], r["setup"], r["connectivity"]): float(r["test_p1"]) for r in rows}
     assert found == {
         ("table1", "smoke", "uniform", "32"): 40.0,
@@ -145,11 +129,18 @@ def test_export_keeps_configurations_tables_and_scales_apart_and_skips_untagged_
     }
 
 
+def test_params_logged_under_dotted_hydra_keys_read_the_same(store, tmp_path):
+    dotted = {key.replace("/", "."): value for key, value in params_of(BIBTEX, "uniform", 32, 256).items()}
+    log_run(store, dotted, metrics_of(40.0))
+    (row,) = export(tmp_path / "runs.csv", store)
+    assert (row["dataset"], row["setup"], row["connectivity"], row["intermediate"]) == ("Bibtex", "uniform", "32", "256")
+
+
 def test_one_configuration_on_two_machines_gives_two_rows_side_by_side(store, tmp_path, published):
     params = params_of(SMOKE_AMAZON_CASCADE, "uniform", 32, 256)
     log_run(store, params, metrics_of(40.0))
     log_run(store, params, metrics_of(41.0, memory=0.05), device="NVIDIA H100 80GB HBM3")
-    runs = export(tmp_path / "runs.csv", store[0])
+    runs = export(tmp_path / "runs.csv", store)
     assert {r["device"] for r in runs} == {CPU, "NVIDIA H100 80GB HBM3"}
     rows = table_rows("table1", "smoke", runs, [config_of(SMOKE_AMAZON_CASCADE, "uniform", 32, 256)], published)
     measured = [r for r in rows if r["status"] == "measured"]
@@ -158,62 +149,79 @@ def test_one_configuration_on_two_machines_gives_two_rows_side_by_side(store, tm
         ("Amazon-670K", "cascade", "uniform", "32768")}  # fmt: skip
 
 
-def test_merged_runs_from_another_store_export_like_local_ones_and_merge_once(store, tmp_path, empty_store):
+def test_broken_record_files_are_refused_with_the_file_named(store, tmp_path):
+    log_run(store, params_of(BIBTEX, "dense"), metrics_of(40.0))
+    (store / "0123.json").write_text("{not json")
+    with pytest.raises(records.DataError, match=r"0123.json: not valid JSON"):
+        records.load(store)
+    (store / "0123.json").write_text(json.dumps({"run_id": "0123"}))
+    with pytest.raises(records.DataError, match=r"0123.json: not a run record"):
+        records.load(store)
+
+
+# ---------------------------------------------------------------------------------------------------- MLflow store
+
+
+@pytest.fixture(scope="session")
+def empty_store(tmp_path_factory):
+    """An initialised sqlite store (creating its schema takes seconds), copied for every test."""
     from mlflow.tracking import MlflowClient
 
-    from xmc_repro.report.merge import merge_runs
+    path = tmp_path_factory.mktemp("store") / "mlruns.db"
+    MlflowClient(f"sqlite:///{path}").create_experiment("xmc_repro")
+    return path
+
+
+def test_records_add_copies_finished_table_runs_of_a_store_once_and_round_trips(tmp_path, empty_store):
+    from mlflow.entities import Metric, Param, RunTag
+    from mlflow.tracking import MlflowClient
 
     shutil.copy(empty_store, tmp_path / "gpu.db")
-    gpu_uri = f"sqlite:///{tmp_path / 'gpu.db'}"
-    gpu_client = MlflowClient(gpu_uri)
-    gpu = (gpu_uri, gpu_client, gpu_client.get_experiment_by_name("xmc_repro").experiment_id)
-    card = "NVIDIA H200"
-    log_run(gpu, params_of(BIBTEX, "uniform", 32, 256), metrics_of(50.0, memory=0.01), device=card, start=5_000)
-    log_run(gpu, params_of(BIBTEX, "dense"), metrics_of(55.0), device=card, status="FAILED")
-    log_run(store, params_of(BIBTEX, "uniform", 32, 256), metrics_of(49.0))
-    assert merge_runs(gpu_uri, store[0]) == 1
-    assert merge_runs(gpu_uri, store[0]) == 0
-    rows = export(tmp_path / "runs.csv", store[0])
-    found = {(r["device"], r["setup"]): (float(r["test_p1"]), r["memory_gib"]) for r in rows}
-    assert found == {(CPU, "uniform"): (49.0, ""), (card, "uniform"): (50.0, "0.01")}
+    uri = f"sqlite:///{tmp_path / 'gpu.db'}"
+    client = MlflowClient(uri)
+    experiment = client.get_experiment_by_name("xmc_repro").experiment_id
+    ids = {}
+    for name, status, table in (("ok", "FINISHED", "table1"), ("failed", "FAILED", "table1"),
+                                ("untagged", "FINISHED", None)):  # fmt: skip
+        run_id = client.create_run(experiment, run_name=name).info.run_id
+        tags = {"table": table, "scale": "smoke", "device": H200, "mlflow.user": "someone"}
+        client.log_batch(run_id, metrics=[Metric("test/p_at_1", 50.5, 0, 0), Metric("peak_gpu_memory_gib", 0.01, 0, 0)],
+                         params=[Param(k, v) for k, v in params_of(BIBTEX, "uniform", 32, 256).items()],
+                         tags=[RunTag(k, v) for k, v in tags.items() if v])  # fmt: skip
+        client.set_terminated(run_id, status)
+        ids[name] = run_id
+    directory = tmp_path / "records"
+    assert records.add_from_store(uri, directory) == {"new": 1, "updated": 0, "unchanged": 0}
+    assert records.add_from_store(uri, directory) == {"new": 0, "updated": 0, "unchanged": 1}
+    (record,) = records.load(directory)
+    run = client.get_run(ids["ok"])
+    assert record["run_id"] == ids["ok"] and record["run_name"] == "ok" and record["status"] == "FINISHED"
+    assert record["params"] == run.data.params and record["metrics"] == run.data.metrics
+    assert record["tags"] == {"table": "table1", "scale": "smoke", "device": H200}  # MLflow's own tags left out
+    assert record["end_time"] == records.iso_time(run.info.end_time) != ""
+    text = (directory / f"{ids['ok']}.json").read_text()
+    assert text == records.dump(json.loads(text)) and text.index('"metrics"') < text.index('"params"')  # sorted keys
+    with pytest.raises(records.DataError, match="no such MLflow store"):
+        records.add_from_store(f"sqlite:///{tmp_path / 'typo.db'}", directory)
 
 
-def test_smoke_stage_sweeps_only_tables_without_smoke_runs_and_fails_when_a_sweep_yields_nothing(store, tmp_path):
-    import json
+def test_a_runs_csv_migrates_into_records_that_export_it_back_unchanged(store, tmp_path):
+    from xmc_repro.report.migrate import migrate
 
-    from xmc_repro.report.smoke import SweepFailed, ensure_smoke_runs
-
-    for table in ("table1", "table2", "table3", "table5"):
-        log_run(store, params_of(BIBTEX, "uniform", 32, 128), metrics_of(40.0), table=table)
-    log_run(store, params_of(BIBTEX, "uniform", 32, 128), metrics_of(40.0), table="table4", scale="paper")
-    log_run(store, params_of(BIBTEX, "uniform", 32, 128), metrics_of(40.0), table="table4", status="FAILED")
-    commands = []
-
-    def sweep(command, **kwargs):  # stands in for the sweep's process: logs what the sweep would
-        commands.append(command[1:])
-        log_run(store, params_of(BIBTEX, "uniform", 32, 128, loss="bce"), metrics_of(41.0), table="table4")
-        return subprocess.CompletedProcess(command, 1)  # one of its jobs failed
-
-    counts = ensure_smoke_runs(tmp_path / "marker.json", store[0], run=sweep)
-    assert commands == [["-m", "xmc_repro", "-m", "experiment=table4", "scale=smoke", "trainer.progress_bar=false"]]
-    assert counts == {"table1": 1, "table2": 1, "table3": 1, "table4": 1, "table5": 1}
-    marker = json.loads((tmp_path / "marker.json").read_text())
-    assert marker == {"finished_smoke_runs": counts, "sweeps_with_failed_jobs": ["table4"]}
-    assert ensure_smoke_runs(tmp_path / "marker.json", store[0], run=sweep) == counts and len(commands) == 1
-
-    _, client, experiment = store
-    client.delete_run(client.search_runs([experiment], "tags.table = 'table5'")[0].info.run_id)
-    def broken(command, **kwargs):
-        return subprocess.CompletedProcess(command, 1)
-
-    with pytest.raises(SweepFailed, match="table5"):
-        ensure_smoke_runs(tmp_path / "marker.json", store[0], run=broken)
-
-
-def test_export_of_an_empty_store_writes_only_the_header(store, tmp_path):
-    assert export(tmp_path / "runs.csv", store[0]) == []
-    with open(tmp_path / "runs.csv") as f:
-        assert next(csv.reader(f))[:3] == ["table", "scale", "dataset"]
+    for seed, p1 in ((0, 30.0), (1, 32.0)):
+        log_run(store, params_of(SMOKE_AMAZON_SLICE, "uniform", 32, 256, seed=seed), metrics_of(p1, memory=0.5),
+                device=H200)  # fmt: skip
+    log_run(store, params_of(BIBTEX, "dense"), metrics_of(60.0))
+    export(tmp_path / "old.csv", store)
+    counts = migrate(tmp_path / "old.csv", records.PROJECT_ROOT / "conf", tmp_path / "migrated", origin="old.csv")
+    assert counts == {"new": 2, "updated": 0, "unchanged": 0}
+    export(tmp_path / "new.csv", tmp_path / "migrated")
+    old, new = read_runs_csv(tmp_path / "old.csv"), read_runs_csv(tmp_path / "new.csv")
+    keep = [c for c in old[0] if c not in ("sources", "state_mib")]  # columns an older runs.csv did not have
+    assert [[r[c] for c in keep] for r in new] == [[r[c] for c in keep] for r in old]
+    averaged = next(r for r in records.load(tmp_path / "migrated") if "aggregate" in r)
+    assert averaged["aggregate"]["seeds"] == ["0", "1"] and "not one run's values" in averaged["aggregate"]["note"]
+    assert averaged["source"] == "migrated from old.csv"
 
 
 # ---------------------------------------------------------------------------------------------------- identity
@@ -256,7 +264,7 @@ def test_rows_put_ours_beside_the_published_value_and_mark_what_never_ran(store,
     extra = config_of(BIBTEX, "uniform", 32, 256)
     log_run(store, params_of(SMOKE_AMAZON_SLICE, "uniform", 32, 256), metrics_of(30.5, 25.0, 20.0))
     log_run(store, params_of(BIBTEX, "uniform", 32, 256), metrics_of(60.0))
-    runs = export(tmp_path / "runs.csv", store[0])
+    runs = export(tmp_path / "runs.csv", store)
     rows = table_rows("table1", "smoke", runs, [measured, never_run, extra], published)
 
     by_name = {(r["dataset"], r["features"], r["setup"], r["connectivity"], r["intermediate"]): r for r in rows}
@@ -264,8 +272,7 @@ def test_rows_put_ours_beside_the_published_value_and_mark_what_never_ran(store,
     expected = published_row(published, "table1_architecture", *AMAZON_SLICE, "uniform", "32", "32768", "squared_hinge")
     assert ours["status"] == "measured" and ours["published_source"] == "paper"
     assert ours["published_test_p1"] == expected["test_p1"] == "32.8"
-    assert float(ours["ours_test_p1"]) == 30.5 and float(ours["diff_test_p1"]) == pytest.approx(30.5 - 32.8)
-    assert float(ours["diff_test_p5"]) == pytest.approx(20.0 - float(expected["test_p5"]))
+    assert float(ours["ours_test_p1"]) == 30.5 and ours["diff_test_p1"] == ""  # a stand-in: no Δ to the paper
     assert ours["our_dataset"] == "Smoke-Amazon-670K slice" and ours["card"] == CPU and ours["scale"] == "smoke"
 
     gap = by_name[("Amazon-670K", "slice", "dense", "512", "")]
@@ -278,14 +285,53 @@ def test_rows_put_ours_beside_the_published_value_and_mark_what_never_ran(store,
     ]
     assert sum(r["status"] == "measured" for r in rows) == 2
     bibtex = rows[-1]
-    assert (bibtex["dataset"], bibtex["features"]) == BIBTEX and bibtex["published_source"] == ""
-    assert float(bibtex["ours_test_p1"]) == 60
+    assert (bibtex["dataset"], bibtex["features"], bibtex["intermediate"]) == (*BIBTEX, "256")  # its own width
+    assert bibtex["published_source"] == "" and float(bibtex["ours_test_p1"]) == 60
+
+
+def test_differences_to_the_paper_only_on_its_datasets_ratios_to_dense_elsewhere(store, tmp_path, published):
+    log_run(store, params_of(AMAZON_SLICE, "uniform", 32, 32768), metrics_of(30.5, 25.0, 20.0), scale="paper")
+    log_run(store, params_of(SMOKE_AMAZON_SLICE, "uniform", 32, 256), metrics_of(15.0, 9.0, 6.0))
+    log_run(store, params_of(SMOKE_AMAZON_SLICE, "dense"), metrics_of(20.0, 10.0, 8.0), table="table4")
+    log_run(store, params_of(SMOKE_AMAZON_SLICE, "dense"), metrics_of(40.0), device=H200)  # another machine
+    log_run(store, params_of(BIBTEX, "uniform", 32, 256), metrics_of(55.0))
+    log_run(store, params_of(BIBTEX, "dense"), metrics_of(50.0))
+    runs = export(tmp_path / "runs.csv", store)
+
+    (real,) = [r for r in table_rows("table1", "paper", runs, [], published) if r["status"] == "measured"]
+    assert real["paper_data"] == "yes" and float(real["diff_test_p1"]) == pytest.approx(30.5 - 32.8)
+    assert real["ours_p1_vs_dense"] == real["published_p1_vs_dense"] == ""
+
+    rows = {r["our_dataset"]: r for r in table_rows("table1", "smoke", runs, [], published) if r["setup"] == "uniform"}
+    stand_in, bibtex = rows["Smoke-Amazon-670K slice"], rows["Bibtex bow"]
+    assert stand_in["paper_data"] == "no" and stand_in["diff_test_p1"] == ""
+    # ours: P@k ÷ our dense on the same data and machine (found in table 4); paper: 32.8 / 33.8 (Amazon-670K slice)
+    assert [float(stand_in[f"ours_p{k}_vs_dense"]) for k in (1, 3, 5)] == [0.75, 0.9, 0.75]
+    assert float(stand_in["published_p1_vs_dense"]) == pytest.approx(32.8 / 33.8, abs=1e-5)
+    assert float(bibtex["ours_p1_vs_dense"]) == pytest.approx(1.1)
+    # Bibtex is none of the paper's datasets: the range over them for uniform 32 with an intermediate layer
+    paper_ratios = [32.8 / 33.8, 42.6 / 47.5, 86.6 / 87.3, 58.9 / 58.2, 73.6 / 77.1]
+    low, high = bibtex["published_p1_vs_dense"].split("..")
+    assert (float(low), float(high)) == pytest.approx((min(paper_ratios), max(paper_ratios)), abs=1e-5)
+    text = markdown("table1", [("smoke", list(rows.values()))])
+    assert "| 0.75 / 0.97 | 0.90 / 0.97 |" in text and "| 1.10 / 0.90–1.01 |" in text
+
+
+def test_a_dataset_whose_data_was_not_found_is_one_row_saying_so(store, tmp_path, published):
+    grid = [config_of(BIBTEX, h, c) for h, c in (("dense", None), ("uniform", 32), ("unstructured", 32))]
+    missing = {"Bibtex": "/nowhere/Bibtex"}
+    rows = table_rows("table1", "smoke", [], grid, published, missing)
+    (row,) = [r for r in rows if r["our_dataset"] == "Bibtex bow"]
+    assert row["status"] == "missing" and row["our_setup"] == "missing: data not found at /nowhere/Bibtex"
+    log_run(store, params_of(BIBTEX, "dense"), metrics_of(50.0))  # runs recorded elsewhere: shown as usual
+    rows = table_rows("table1", "smoke", export(tmp_path / "runs.csv", store), grid, published, missing)
+    assert len([r for r in rows if r["our_dataset"] == "Bibtex bow"]) == 3
 
 
 def test_a_run_outside_the_grid_still_shows_and_the_supplement_fills_published_gaps(store, tmp_path, published):
     # table 1 of the paper has no Wikipedia-500K cascade unstructured row; the authors' supplement has one
     log_run(store, params_of(WIKIPEDIA_CASCADE, "unstructured", 32), metrics_of(63.0, memory=4.5), scale="paper")
-    runs = export(tmp_path / "runs.csv", store[0])
+    runs = export(tmp_path / "runs.csv", store)
     rows = table_rows("table1", "paper", runs, [], published)
     (row,) = [r for r in rows if r["status"] == "measured"]
     assert row["published_source"] == "authors' README" and row["published_test_p1"] == "65.25"
@@ -301,25 +347,26 @@ def test_table5_keeps_the_literature_rows(published):
 
 
 def test_markdown_and_latex_show_gaps_values_and_provenance(store, tmp_path, published):
-    log_run(store, params_of(SMOKE_AMAZON_SLICE, "uniform", 32, 256, seed=0), metrics_of(30.0))
-    log_run(store, params_of(SMOKE_AMAZON_SLICE, "uniform", 32, 256, seed=1), metrics_of(31.0))
-    runs = export(tmp_path / "runs.csv", store[0])
+    log_run(store, params_of(AMAZON_SLICE, "uniform", 32, 32768, seed=0), metrics_of(30.0), scale="paper")
+    log_run(store, params_of(AMAZON_SLICE, "uniform", 32, 32768, seed=1), metrics_of(31.0), scale="paper")
+    runs = export(tmp_path / "runs.csv", store)
     blocks = [(s, table_rows("table1", s, runs, [], published)) for s in ("paper", "smoke")]
     text = markdown("table1", blocks)
     line = next(l for l in text.splitlines() if "30.5 ± 0.7" in l)
     cells = [c.strip() for c in line.strip("|").split("|")]
     assert cells[:5] == ["Amazon-670K", "slice", "uniform", "32", "32768"]
     assert cells[5:8] == ["32.8", "30.5 ± 0.7", "-2.3"] and CPU in cells
-    assert "Smoke-Amazon-670K slice: uniform 32 + 256 (seeds 0,1)" in cells
+    assert "Amazon-670K slice: uniform 32 + 32768 (seeds 0,1)" in cells
     assert text.count("| missing |") > 40 and "## Scale `smoke`" in text and "## Scale `paper`" in text
     tex = latex("table1", blocks)
-    assert r"30.5 $\pm$ 0.7" in tex and "Smoke-Amazon-670K slice" in tex and tex.count(r"\\") > 44
+    assert r"30.5 $\pm$ 0.7" in tex and "Amazon-670K slice" in tex and tex.count(r"\\") > 44
 
 
-def test_render_writes_every_table_and_figure(store, tmp_path, published):
-    log_run(store, params_of(SMOKE_AMAZON_SLICE, "uniform", 32, 256), metrics_of(30.0, memory=0.02))
+def test_render_writes_every_table_and_figure_with_our_points(store, tmp_path, published):
+    log_run(store, params_of(SMOKE_AMAZON_SLICE, "uniform", 32, 256), metrics_of(30.0))
+    log_run(store, params_of(SMOKE_AMAZON_SLICE, "dense"), metrics_of(40.0))
     log_run(store, params_of(AMAZON_SLICE, "uniform", 32, 32768), metrics_of(33.0, memory=1.1), scale="paper")
-    runs = export(tmp_path / "runs.csv", store[0])
+    runs = export(tmp_path / "runs.csv", store)
     rendered = render_tables(runs, published, tmp_path / "tables", expected=lambda table, scale: [])
     for table in ("table1", "table2", "table3", "table4", "table5"):
         for ext in ("md", "tex", "csv"):
@@ -327,9 +374,145 @@ def test_render_writes_every_table_and_figure(store, tmp_path, published):
         with open(tmp_path / "tables" / f"{table}.csv") as f:
             assert len(list(csv.DictReader(f))) == len(rendered[table])
     names = render_figures(runs, published, tmp_path / "figures")
-    assert names[:5] == ["wiki10_31k", "amazon670k_slice", "amazon670k_cascade", "wikipedia500k_slice",
-                         "wikipedia500k_cascade"] and "smoke_amazon_670k_slice" in names  # fmt: skip
+    assert names[:5] == [f"relative_{n}.png" for n in ("wiki10_31k", "amazon670k_slice", "amazon670k_cascade",
+                                                        "wikipedia500k_slice", "wikipedia500k_cascade")]  # fmt: skip
+    assert "state_vs_p1_smoke_amazon_670k_slice_smoke.png" in names
     with open(tmp_path / "figures" / "data" / "amazon670k_slice_ours.csv") as f:
-        (point,) = list(csv.DictReader(f))
-    assert point["memory_gib"] == "1.1" and point["test_p1"] == "33"
-    assert (tmp_path / "figures" / "memory_vs_p1_amazon670k_slice.png").read_bytes()[:4] == b"\x89PNG"
+        (point,) = list(csv.DictReader(f))  # the CPU stand-in run, relative to its dense run
+    assert float(point["p1_vs_dense"]) == 0.75 and point["card"] == CPU
+    # training state at 64 inputs, 670 labels: uniform 32 + 256 against dense, as state.py counts it
+    uniform = 12 * (64 * 256 + 256 + 32 * 670 + 670) + 4 * 32 * 670
+    assert float(point["memory_vs_dense"]) == pytest.approx(uniform / (12 * (64 * 670 + 670)), rel=1e-3)
+    assert (tmp_path / "figures" / "relative_amazon670k_slice.png").read_bytes()[:4] == b"\x89PNG"
+    index = (tmp_path / "figures" / "README.md").read_text()
+    assert all(f"]({name})" in index for name in names)
+
+
+@pytest.mark.parametrize("head,extra", [("dense", {}), ("uniform", {"connectivity": 8}),
+                                        ("unstructured", {"connectivity": 8}), ("bottleneck", {"bottleneck": 16}),
+                                        ("bottleneck", {"bottleneck": 16, "bottleneck_activation": "linear"}),
+                                        ("mach", {"mach": {"num_hashes": 2, "num_buckets": 32}})])  # fmt: skip
+@pytest.mark.parametrize("intermediate", [None, 48])
+def test_training_state_bytes_match_the_model(head, extra, intermediate):
+    import torch
+
+    from xmc_repro.model import XMCClassifier
+    from xmc_repro.report.state import model_state_bytes
+
+    model = XMCClassifier(40, 300, head=head, intermediate=intermediate, **extra)
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    buffers = sum(b.numel() * b.element_size() for name, b in model.named_buffers() if name.startswith("head."))
+    params = {"dataset/num_features": "40", "dataset/num_labels": "300", "model/head": head,
+              "model/intermediate": str(intermediate), "model/connectivity": str(extra.get("connectivity")),
+              "model/bottleneck": str(extra.get("bottleneck")),
+              "model/bottleneck_activation": extra.get("bottleneck_activation", "relu"),
+              **{f"model/mach/{k}": str(v) for k, v in extra.get("mach", {}).items()}}  # fmt: skip
+    assert model_state_bytes(params) == 3 * weights + buffers
+    assert torch.float32 == next(model.parameters()).dtype
+
+
+# ---------------------------------------------------------------------------------------------------- claims
+
+
+def claim_runs(store, out_dir, **changes):
+    """Bibtex runs (not smoke scale) for which every claim holds, with `changes` {name: test P@1} applied."""
+    p1 = {"dense": 60.0, "uniform32": 20.0, "unstructured32": 21.0, "uniform32+1024": 60.5, "unstructured32+1024": 60.0,
+          "uniform64+1024": 61.5, "uniform32+2048": 61.0, "uniform32+1024 bce": 59.0, **changes}  # fmt: skip
+    for name, value in p1.items():
+        model, _, loss = name.partition(" ")
+        head = "dense" if model == "dense" else ("uniform" if model.startswith("uniform") else "unstructured")
+        connectivity, _, width = model[len(head):].partition("+")
+        log_run(store, params_of(BIBTEX, head, connectivity or None, width or None, loss or "squared_hinge"),
+                metrics_of(value, train_p1=value + 30, seconds=2.0 if loss else 1.0), table="claims",
+                scale="paper")  # fmt: skip
+    # memory and time at a full shape on a GPU
+    log_run(store, params_of(("Synthetic-Amazon-670K", "synthetic"), "dense"), metrics_of(0.1, memory=9.7),
+            device=H200, scale="paper")  # fmt: skip
+    log_run(store, params_of(("Synthetic-Amazon-670K", "synthetic"), "uniform", 32, 32768),
+            metrics_of(0.1, memory=1.2), device=H200, scale="paper")  # fmt: skip
+    return export(out_dir / "runs.csv", store)
+
+
+def test_claims_hold_on_runs_that_show_them(store, tmp_path):
+    from xmc_repro.report.claims import write_claims
+
+    verdicts = write_claims(claim_runs(store, tmp_path), tmp_path / "claims.md")
+    assert verdicts == {"C1": "holds", "C2": "holds", "C3": "holds", "C4": "holds", "C5": "holds", "C6": "holds"}
+    text = (tmp_path / "claims.md").read_text()
+    assert "dense 9.70 GiB, uniform 32 + 32768 intermediate 1.20 GiB: 8.1x less" in text
+    assert "run " in text and text.count("## C") == 6
+
+
+def test_claims_that_fail_or_lack_runs_say_so(store, tmp_path):
+    from xmc_repro.report.claims import evaluate
+
+    runs = claim_runs(store, tmp_path, **{"uniform32+1024": 55.0, "uniform32+2048": 50.0})
+    claims = {c.key: c for c in evaluate(runs)}
+    assert claims["C2"].verdict == "does not hold here"  # 55.0 is more than a point below dense's 60.0
+    assert claims["C3"].verdict == "does not hold here"  # unstructured 32 + 1024 is 5 points above
+    assert claims["C6"].verdict == "does not hold here"  # 2048 (50.0) below 1024 (55.0)
+    assert claims["C5"].verdict == "does not hold here"  # squared hinge 55.0 below BCE's 59.0
+    assert claims["C1"].verdict == claims["C4"].verdict == "holds"
+    assert "✗" in claims["C2"].markdown() and "✓" in claims["C6"].markdown()  # 64 connections did raise P@k
+    smoke_only = [dict(r, scale="smoke") for r in runs]
+    assert {c.verdict for c in evaluate(smoke_only)} == {"not measurable here"}
+    assert "Not measurable here: no trained" in evaluate([])[0].markdown()
+
+
+# ---------------------------------------------------------------------------------------------------- committed files
+
+
+def test_the_committed_results_regenerate_byte_for_byte_from_the_committed_records(tmp_path):
+    """What `dvc repro` does on a fresh clone: records -> runs.csv -> tables, figures, claims, all unchanged."""
+    from xmc_repro.report.__main__ import main
+
+    results = records.PROJECT_ROOT / "results"
+    out = tmp_path / "results"
+    assert main(["export", "--records", str(results / "records"), "--out", str(out / "runs.csv")]) == 0
+    assert main(["render", "--runs", str(out / "runs.csv"), "--grid", str(results / "grid.csv"), "--data-missing",
+                 str(results / "data_missing.json"), "--tables", str(out / "tables"), "--figures",
+                 str(out / "figures")]) == 0  # fmt: skip
+    assert main(["claims", "--runs", str(out / "runs.csv"), "--out", str(out / "claims.md")]) == 0
+    files = sorted(p.relative_to(out) for p in out.rglob("*") if p.is_file())
+    committed = sorted(p.relative_to(results) for sub in ("tables", "figures") for p in (results / sub).rglob("*")
+                       if p.is_file())  # fmt: skip
+    assert files == sorted([*committed, *map(type(files[0]), ("runs.csv", "claims.md"))])
+    for name in files:
+        assert (out / name).read_bytes() == (results / name).read_bytes(), f"{name} differs from the committed file"
+    h200 = [r for r in read_runs_csv(out / "runs.csv") if r["device"] == H200]
+    assert len(h200) == 38 and all(r["run_ids"] for r in h200)
+
+
+def test_a_failing_stage_exits_non_zero_with_one_error_line(tmp_path, capsys):
+    from xmc_repro.report.__main__ import main
+
+    (tmp_path / "records").mkdir()
+    (tmp_path / "records" / "abc.json").write_text("{")
+    assert main(["export", "--records", str(tmp_path / "records"), "--out", str(tmp_path / "runs.csv")]) == 2
+    assert main(["render", "--runs", str(tmp_path / "none.csv"), "--grid", str(tmp_path / "none.csv")]) == 2
+    assert main(["claims", "--runs", str(tmp_path / "none.csv"), "--out", str(tmp_path / "c.md")]) == 2
+    errors = capsys.readouterr().err.strip().splitlines()
+    assert len(errors) == 3 and all(line.startswith("error: ") for line in errors)
+    assert "abc.json: not valid JSON" in errors[0] and "report grid" in errors[1] and "report export" in errors[2]
+
+
+def test_smoke_skips_datasets_without_data_once_and_fails_when_a_job_failed(tmp_path, monkeypatch, capsys):
+    import subprocess
+
+    from xmc_repro.report import smoke
+
+    monkeypatch.setenv("XMC_SHARED_DATA", str(tmp_path / "no-data"))
+    commands = []
+
+    def sweep(command, **kwargs):
+        commands.append(command[command.index("-m", 2) + 1 :])
+        return subprocess.CompletedProcess(command, 1 if "experiment=table4" in command else 0)
+
+    with pytest.raises(smoke.SweepFailed, match="table4"):
+        smoke.run_smoke(("table1", "table4"), f"sqlite:///{tmp_path / 'm.db'}", tmp_path / "missing.json", run=sweep)
+    datasets = [next(a for a in c if a.startswith("dataset=")) for c in commands]
+    assert all("bibtex" not in d and "delicious" not in d and "smoke_" in d for d in datasets)
+    printed = capsys.readouterr().out
+    assert printed.count("missing: data not found at") == 2  # Bibtex and Delicious, once each
+    assert json.loads((tmp_path / "missing.json").read_text()) == {
+        "Bibtex": str(tmp_path / "no-data" / "Bibtex"), "Delicious": str(tmp_path / "no-data" / "Delicious")}

@@ -56,7 +56,8 @@ def model_state_bytes(params: dict, metrics: dict | None = None) -> int | None:
         weights += width * labels + labels
     elif head == "bottleneck":
         size = int(param(params, "model/bottleneck") or 0)
-        weights += width * size + size * labels + labels
+        bias = size if param(params, "model/bottleneck_activation") == "relu" else 0  # linear: no bias (older runs)
+        weights += width * size + bias + size * labels + labels
     elif head in ("uniform", "unstructured"):
         connections = int(param(params, "model/connectivity") or 0) * labels
         weights += connections + labels
