@@ -76,6 +76,10 @@ def _sweep_job() -> str | None:
 @hydra.main(version_base="1.3", config_path=str(resource_dir("conf")), config_name="config")
 def _task(cfg: DictConfig):
     try:
+        if cfg.get("resume") is None:  # a resumed run's settings are the run's own: checked once they are loaded
+            from xmc_repro.validation import validate
+
+            validate(cfg)  # before torch, Lightning and MLflow load: a bad value is reported in a second
         from xmc_repro.console import quiet
         from xmc_repro.train import run
 
