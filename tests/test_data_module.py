@@ -7,6 +7,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from conftest import TINY
 from omegaconf import OmegaConf
 
 from xmc_repro.data import build_datamodule, load_npy_features, write_xc
@@ -16,8 +17,6 @@ from xmc_repro.errors import ConfigError, DataError
 from xmc_repro.metrics import inverse_propensity
 
 CONF = Path(__file__).resolve().parents[1] / "conf" / "dataset"
-TINY = {"kind": "synthetic", "name": "Tiny", "num_train": 300, "num_test": 70, "num_features": 16,
-        "num_labels": 40, "latent_dim": 8, "labels_per_point": 2.0, "propensity": {"A": 0.55, "B": 1.5}}
 
 
 def setup_dm(cfg, **kw):

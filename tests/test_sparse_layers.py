@@ -5,18 +5,14 @@ import math
 
 import pytest
 import torch
+from conftest import DEVICES
+from conftest import generator as _gen
 
 from xmc_repro.sparse import UniformSparseLinear, UnstructuredSparseLinear
 from xmc_repro.sparse import reference as ref
 from xmc_repro.sparse import rewire
 from xmc_repro.sparse.rewire import lowest_magnitude, redraw_sources, redraw_sources_, sample_uniform_sources
 
-DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.cuda, pytest.mark.skipif(
-    not torch.cuda.is_available(), reason="no CUDA device")])]
-
-
-def _gen(seed):
-    return torch.Generator().manual_seed(seed)
 
 
 def _distinct_per_label(indices):
