@@ -235,3 +235,14 @@ def test_header_declaring_zero_labels_or_features_names_the_file(tmp_path, text,
     (tmp_path / "zero_labels.txt").write_text("1 0\n\n")
     with pytest.raises(DataError, match=r"zero_labels.txt:1: the header declares 0 columns"):
         read_labels(tmp_path / "zero_labels.txt")
+
+
+def test_l2_normalisation_does_not_overflow_near_float32_max():
+    from xmc_repro.data.features import normalize_rows
+
+    x = sp.csr_matrix(np.array([[3e38, 3e38, 0], [0, 0, 0], [1, 2, 2], [1e-40, 0, 1e-40]], np.float32))
+    y = normalize_rows(x, "l2").toarray()
+    assert y.dtype == np.float32 and np.isfinite(y).all()
+    np.testing.assert_allclose(y[0], [2**-0.5, 2**-0.5, 0], rtol=1e-6)  # was all zeros: (3e38)^2 overflowed
+    np.testing.assert_allclose(y[2], [1 / 3, 2 / 3, 2 / 3], rtol=1e-6)
+    np.testing.assert_allclose(np.linalg.norm(y, axis=1), [1, 0, 1, 1], rtol=1e-6)

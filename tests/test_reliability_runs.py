@@ -1,0 +1,128 @@
+"""A run has one writer and never stays RUNNING: a second concurrent resume is refused, a run killed before its
+first checkpoint is closed as FAILED by `resume=`, an unreachable tracking server is reported within seconds."""
+
+from __future__ import annotations
+
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from test_reliability_common import TINY, cli, cli_env, copy_store, make_store, runs, start, stderr_lines
+from test_reliability_common import no_run_left_running  # noqa: F401  (autouse)
+from xmc_repro import checkpoints
+from xmc_repro.errors import ConfigError
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory) -> Path:
+    return make_store(tmp_path_factory.mktemp("store"))
+
+
+def _failed_run_with_checkpoint(directory: Path, store: Path) -> str:
+    """A real tiny run, then marked FAILED as if it had crashed: resumable."""
+    from mlflow.tracking import MlflowClient
+
+    copy_store(store, directory)
+    result = cli(directory, [*TINY, "trainer.max_epochs=1"])
+    assert result.returncode == 0, result.stderr[-3000:]
+    (run,) = runs(directory)
+    MlflowClient(f"sqlite:///{directory / 'mlruns.db'}").set_terminated(run.info.run_id, "FAILED")
+    return run.info.run_id
+
+
+def test_second_writer_of_a_run_is_refused(tmp_path, store):
+    run_id = _failed_run_with_checkpoint(tmp_path, store)
+    lock = checkpoints.RunLock(tmp_path / "checkpoints" / run_id)
+    assert lock.acquire()  # as a first `resume=<id>` still training would hold it
+    try:
+        result = cli(tmp_path, [f"resume={run_id}", "trainer.max_epochs=2"])
+    finally:
+        lock.release()
+    assert result.returncode == 2, result.stderr[-3000:]
+    lines = stderr_lines(result.stderr)
+    assert len(lines) == 1 and lines[0].startswith(f"error: resume={run_id}: run {run_id} is being written by another "
+                                                   "process (pid "), result.stderr[-3000:]
+    (run,) = runs(tmp_path)
+    assert run.info.status == "FAILED" and "resumed" not in run.data.tags  # the refused resume touched nothing
+
+
+def test_lock_is_exclusive_and_dies_with_its_process(tmp_path):
+    first, second = checkpoints.RunLock(tmp_path), checkpoints.RunLock(tmp_path)
+    assert first.acquire() and not second.acquire() and second.is_held()
+    with pytest.raises(ConfigError, match=r"is being written by another process \(pid \d+"):
+        checkpoints.hold_run(tmp_path, "abc")
+    first.release()
+    assert not second.is_held() and second.acquire()
+    second.release()
+
+
+def test_run_killed_before_its_first_checkpoint_is_closed_by_resume(tmp_path, store):
+    copy_store(store, tmp_path)
+    # Large enough that no checkpoint can exist yet when the run's folder appears.
+    process = start(tmp_path, [*TINY, "dataset.num_train=200000", "trainer.max_epochs=1"])
+    deadline = time.monotonic() + 240
+    while not list(tmp_path.glob("checkpoints/*/writer.lock")):
+        assert process.poll() is None and time.monotonic() < deadline, process.stderr.read()[-3000:]
+        time.sleep(0.05)
+    process.send_signal(signal.SIGKILL)
+    process.wait(timeout=60)
+    run_id = next(tmp_path.glob("checkpoints/*/writer.lock")).parent.name
+    assert not list(tmp_path.glob("checkpoints/*/last.ckpt"))
+    assert [r.info.status for r in runs(tmp_path)] == ["RUNNING"]  # nothing could close it
+    result = cli(tmp_path, [f"resume={run_id}"])
+    assert result.returncode == 2, result.stderr[-3000:]
+    lines = stderr_lines(result.stderr)
+    assert len(lines) == 1, result.stderr[-3000:]
+    assert lines[0].startswith(f"error: resume={run_id}: run {run_id} stopped before its first checkpoint")
+    assert "now marked FAILED; start it again without resume=" in lines[0]
+    (run,) = runs(tmp_path)
+    assert run.info.status == "FAILED" and "before its first checkpoint" in run.data.tags["error"]
+    again = cli(tmp_path, [f"resume={run_id}"])  # a second try says what the run is now
+    assert again.returncode == 2 and f"ended FAILED before its first checkpoint" in again.stderr
+
+
+def test_resume_without_checkpoint_of_a_live_run_waits(tmp_path):
+    from xmc_repro.resume import close_orphan
+
+    folder = tmp_path / "checkpoints" / "abc"
+    lock = checkpoints.RunLock(folder)
+    assert lock.acquire()
+    try:
+        message = close_orphan(f"sqlite:///{tmp_path / 'mlruns.db'}", "abc", folder)
+    finally:
+        lock.release()
+    assert "still being written by another process" in message and "wait for its first checkpoint" in message
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_unreachable_tracking_server_is_reported_within_30_s(tmp_path):
+    refused = f"http://127.0.0.1:{_free_port()}"  # nothing listens there
+    silent = socket.socket()  # accepts connections and never answers
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(8)
+    accepted = []
+    threading.Thread(target=lambda: accepted.append(silent.accept()), daemon=True).start()
+    try:
+        for uri in (refused, f"http://127.0.0.1:{silent.getsockname()[1]}"):
+            began = time.monotonic()
+            result = subprocess.run([sys.executable, "-m", "xmc_repro", *TINY, f"logger.tracking_uri={uri}"],
+                                    cwd=tmp_path, env=cli_env(), capture_output=True, text=True, timeout=120)
+            took = time.monotonic() - began
+            assert result.returncode == 2, result.stderr[-3000:]
+            lines = stderr_lines(result.stderr)
+            assert len(lines) == 1, result.stderr[-3000:]
+            assert lines[0].startswith(f"error: logger.tracking_uri={uri}: the tracking server does not answer")
+            assert took < 30, took
+    finally:
+        silent.close()
