@@ -229,6 +229,13 @@ class RunTracker:
         self.set_tags(tags)
         with_retries(self.client.log_text, self.run_id, OmegaConf.to_yaml(cfg, resolve=True), "config.yaml")
 
+    def log_params(self, params: dict) -> None:
+        """Params learnt only once the data is read (a data file's sizes); kept as they are on a resumed run."""
+        existing = with_retries(self.client.get_run, self.run_id).data.params
+        batch = [Param(k, str(v)) for k, v in params.items() if k not in existing]
+        if batch:
+            with_retries(self.client.log_batch, self.run_id, params=batch)
+
     def set_tags(self, tags: dict[str, str | None]) -> None:
         tag_list = [RunTag(k, str(v)) for k, v in tags.items() if v is not None]
         if tag_list:

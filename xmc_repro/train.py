@@ -235,6 +235,9 @@ def _fit_and_test(cfg, tracker, checkpoint_dir: Path, resume_from: Path | None, 
     dm.setup("fit")
     if tracker is not None:
         tracker.log_dataset(cfg.dataset, dm)
+        # File-backed datasets learn their sizes from the files: the report needs them for the state bytes.
+        tracker.log_params({f"dataset/{key}": getattr(dm, key) for key in ("num_features", "num_labels")
+                            if key not in cfg.dataset})
     model = build_model(cfg, dm)
 
     info = {"config": OmegaConf.to_yaml(cfg, resolve=True), "run_id": tracker.run_id if tracker else None}
@@ -291,6 +294,9 @@ def _fit_and_test(cfg, tracker, checkpoint_dir: Path, resume_from: Path | None, 
     results["time_per_epoch_s"] = callbacks["time"].fit_seconds / max(results["epochs"], 1)
     if callbacks["memory"].peak_gib is not None:
         results["peak_gpu_memory_gib"] = callbacks["memory"].peak_gib
+    # Exact sizes of what training holds besides activations (Adam adds two moments per parameter).
+    results["param_bytes"] = sum(p.numel() * p.element_size() for p in model.parameters())
+    results["buffer_bytes"] = sum(b.numel() * b.element_size() for b in model.head.buffers())
     tracker.log_metrics(results)
     tracker.finish("FINISHED")
     results["run_id"] = tracker.run_id
