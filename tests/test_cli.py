@@ -36,7 +36,8 @@ def test_a_key_without_any_close_match_lists_the_keys_there(tmp_path):
     result = cli(tmp_path, ["model.zzz=1"], timeout=60)
     assert result.returncode == 2
     [line] = stderr_lines(result.stderr)
-    assert line.startswith("error: unknown setting 'model.zzz'; model has: head, connectivity, intermediate")
+    assert line.startswith("error: unknown setting 'model.zzz'; model has: head, ")
+    assert {"connectivity", "intermediate", "rewire_fraction"} <= set(line.split("model has: ")[1].split(", "))
 
 
 def test_a_mistyped_choice_gets_a_suggestion(tmp_path):

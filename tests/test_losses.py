@@ -8,7 +8,8 @@ import torch.nn.functional as F
 from conftest import generator
 
 from xmc_repro.errors import ConfigError
-from xmc_repro.losses import NonFiniteLossWatch, bce_loss, build_loss, dense_targets, squared_hinge_loss
+from xmc_repro.losses import NonFiniteLossWatch, bce_loss, dense_targets, squared_hinge_loss
+from xmc_repro.model import build_loss
 
 
 def random_batch(seed, b=7, L=13, dtype=torch.float32):
@@ -130,7 +131,7 @@ def test_labels_on_another_device_or_dtype_and_half_scores():
 
 
 def test_unknown_loss_name():
-    with pytest.raises(ConfigError, match="loss.name='hinge' is unknown; use one of squared_hinge, bce"):
+    with pytest.raises(ConfigError, match="loss='hinge' is unknown; choose one of bce, squared_hinge"):
         build_loss("hinge")
 
 

@@ -88,7 +88,7 @@ def test_positive_int_is_the_one_check_of_sizes():
     from xmc_repro import model
     from xmc_repro.sparse import checks
 
-    assert model._positive is validation.positive_int
+    assert model.positive_int is validation.positive_int
     assert checks.check_layer_sizes is validation.check_layer_sizes
     assert validation.positive_int(8, "x") == 8 and validation.positive_int(8.0, "x") == 8
     for bad in (0, -1, 2.5, True, None, "8", float("nan"), float("inf")):

@@ -6,6 +6,7 @@ import time
 
 import lightning.pytorch as pl
 import torch
+from lightning.pytorch.callbacks import EarlyStopping
 
 from xmc_repro.distributed import assert_identical_across_ranks
 
@@ -76,6 +77,14 @@ class Rewiring(pl.Callback):
     def load_state_dict(self, state_dict):
         self.generator.set_state(state_dict["generator"])
         self.rewirings = state_dict["rewirings"]
+
+
+def early_stopping(patience: int, min_delta: float) -> EarlyStopping:
+    """Stop when val P@3 has not improved by `min_delta` for `patience` epochs.
+
+    `min_delta` is a P@3 fraction as in the authors' code; the logged metrics are percentages.
+    """
+    return EarlyStopping(monitor="val/p_at_3", mode="max", patience=int(patience), min_delta=float(min_delta) * 100)
 
 
 class PeakMemory(pl.Callback):

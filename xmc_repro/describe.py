@@ -17,19 +17,14 @@ def dataset_label(dataset) -> str:
 
 
 def _head(cfg: DictConfig, short: bool) -> str:
+    """The head with its size, as its config words it (`model.label`, `model.description`; conf/model/*.yaml)."""
     head = OmegaConf.select(cfg, "model.head")
-    size = {
-        "uniform": ("model.connectivity", "{}", "{} connections per label"),
-        "unstructured": ("model.connectivity", "{}", "{} connections per label"),
-        "bottleneck": ("model.bottleneck", "{}", "{} units"),
-        "mach": ("model.mach.num_hashes", "{}x{}", "{} hashes x {} buckets"),
-    }.get(head)
-    values = [OmegaConf.select(cfg, size[0])] if size else []
-    if head == "mach":
-        values.append(OmegaConf.select(cfg, "model.mach.num_buckets"))
-    if not values or None in values:
-        return str(head) if short else f"{head} head"
-    return f"{head}-{size[1].format(*values)}" if short else f"{head} head, {size[2].format(*values)}"
+    fallback = str(head) if short else f"{head} head"
+    try:  # a size left null (or an older config without these keys) leaves just the head's name
+        text = OmegaConf.select(cfg, "model.label" if short else "model.description", default=None)
+    except Exception:
+        return fallback
+    return fallback if text is None or "None" in str(text) else str(text)
 
 
 def run_name(cfg: DictConfig) -> str:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from xmc_repro.errors import ConfigError
+from xmc_repro.data.labels import flat_keys
 
 _CHUNK = 1 << 22  # elements per slice when summing the all-negative part (caps the temporary)
 
@@ -25,11 +25,7 @@ def positive_positions(label_ptr: torch.Tensor, label_idx: torch.Tensor, num_lab
     A label listed twice for one row appears twice (``first_occurrences`` marks one of them). Every size here
     is known on the host, so nothing waits for the device (``torch.unique`` would: its length is data).
     """
-    label_ptr = label_ptr.to(device=device, dtype=torch.long)
-    label_idx = label_idx.to(device=device, dtype=torch.long)
-    lengths = label_ptr[1:] - label_ptr[:-1]
-    rows = torch.repeat_interleave(torch.arange(len(lengths), device=device), lengths, output_size=label_idx.numel())
-    return torch.sort(rows * num_labels + label_idx).values
+    return torch.sort(flat_keys(label_ptr, label_idx.to(device), num_labels)).values
 
 
 def first_occurrences(positions: torch.Tensor) -> torch.Tensor:
@@ -114,16 +110,6 @@ def bce_loss(scores: torch.Tensor, label_ptr: torch.Tensor, label_idx: torch.Ten
     """mean over batch and labels of binary cross-entropy with logits; scores (B, L), labels as CSR lists."""
     positives = positive_positions(label_ptr, label_idx, scores.shape[1], scores.device)
     return _BCE.apply(scores.contiguous(), positives)
-
-
-LOSSES = {"squared_hinge": squared_hinge_loss, "bce": bce_loss}
-
-
-def build_loss(name: str):
-    """The loss function named by ``loss.name``."""
-    if name not in LOSSES:
-        raise ConfigError(f"loss.name={name!r} is unknown; use one of {', '.join(LOSSES)} (e.g. loss=squared_hinge)")
-    return LOSSES[name]
 
 
 class NonFiniteLossWatch:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from xmc_repro.data.labels import flat_keys
 from xmc_repro.errors import ConfigError
 from xmc_repro.sparse import uniform_sparse_linear
 
@@ -63,6 +64,12 @@ class MachHead(nn.Module):
         self.register_buffer("indices", buckets.to(torch.int32))
         self.register_buffer("weight", torch.full((num_hashes, num_labels), 1.0 / num_hashes))
 
+    @classmethod
+    def from_settings(cls, in_features: int, num_labels: int, mach: dict, seed: int = 0) -> MachHead:
+        """The head of a model config: its sizes and decoding in the `mach` section (conf/model/mach.yaml)."""
+        return cls(in_features, num_labels, int(mach["num_hashes"]), int(mach["num_buckets"]), seed,
+                   mach.get("decode", "probability"))
+
     @property
     def num_meta(self) -> int:
         return self.num_hashes * self.num_buckets
@@ -83,11 +90,9 @@ class MachHead(nn.Module):
         """
         device = label_idx.device
         rows = label_ptr.numel() - 1
-        counts = label_ptr[1:] - label_ptr[:-1]
-        row_of = torch.repeat_interleave(torch.arange(rows, device=device), counts)
         meta = self.indices.to(device).index_select(1, label_idx).t().to(torch.int64)  # (nnz, num_hashes)
-        # One int64 key per (row, meta-label): unique() then sorts by row first, by meta-label within a row.
-        keys = torch.unique(row_of.unsqueeze(1) * self.num_meta + meta)
+        # One key per (row, meta-label): unique() then sorts by row first, by meta-label within a row.
+        keys = torch.unique(flat_keys(label_ptr, meta, self.num_meta))
         meta_rows = torch.div(keys, self.num_meta, rounding_mode="floor")
         meta_ptr = torch.zeros(rows + 1, dtype=torch.int64, device=device)
         meta_ptr[1:] = torch.cumsum(torch.bincount(meta_rows, minlength=rows), 0)

@@ -12,6 +12,8 @@ import math
 import numpy as np
 import torch
 
+from xmc_repro.data.labels import flat_keys
+
 
 def inverse_propensity(label_counts, A: float = 0.55, B: float = 1.5, num_points: int | None = None) -> np.ndarray:
     """Jain et al. (2016) inverse propensities ``1 + C (N_l + B)^-A``, ``C = (ln N - 1)(B + 1)^A``.
@@ -59,8 +61,9 @@ class XMCMetrics:
 
         # hits[i, r] = is the r-th ranked label of row i a true label? Via sorted row*L + label keys.
         lengths = label_ptr[1:] - label_ptr[:-1]
-        rows = torch.repeat_interleave(torch.arange(b, device=device), lengths, output_size=label_idx.numel())
-        keys = torch.sort(rows * num_labels + label_idx).values
+        flat = flat_keys(label_ptr, label_idx, num_labels)
+        rows = torch.div(flat, num_labels, rounding_mode="floor")
+        keys = torch.sort(flat).values
         query = torch.arange(b, device=device)[:, None] * num_labels + top
         if keys.numel():
             pos = torch.searchsorted(keys, query).clamp_(max=keys.numel() - 1)

@@ -2,51 +2,81 @@
 
 from __future__ import annotations
 
+import inspect
+
 import lightning.pytorch as pl
 import torch
+from hydra.errors import InstantiationException
+from hydra.utils import get_object, instantiate
+from omegaconf import OmegaConf
 from torch import nn
 
 from xmc_repro.errors import ConfigError
-from xmc_repro.losses import NonFiniteLossWatch, build_loss
+from xmc_repro.losses import NonFiniteLossWatch
 from xmc_repro.metrics import XMCMetrics
-from xmc_repro.validation import positive_int as _positive
-
-HEADS = ("dense", "uniform", "unstructured", "bottleneck", "mach")
+from xmc_repro.resources import resource_dir
+from xmc_repro.validation import positive_int
 
 
 class NonFiniteLossError(RuntimeError):
     """The training loss became NaN or Inf; the run stops at this step."""
 
 
-def build_head(head: str, in_features: int, num_labels: int, model_cfg) -> nn.Module:
-    """The last layer named by `model.head`."""
-    if head == "dense":
-        return nn.Linear(in_features, num_labels)
-    if head == "bottleneck":
-        size = _positive(model_cfg.get("bottleneck"), "model.bottleneck")
-        # The authors' bottleneck: Dense(size, relu) -> Dense(labels); `linear` drops the ReLU and the bias.
-        if model_cfg.get("bottleneck_activation", "relu") == "relu":
-            return nn.Sequential(nn.Linear(in_features, size), nn.ReLU(), nn.Linear(size, num_labels))
-        return nn.Sequential(nn.Linear(in_features, size, bias=False), nn.Linear(size, num_labels))
-    init = model_cfg.get("init", "authors")
-    if head == "uniform":
-        from xmc_repro.sparse import UniformSparseLinear
+class Bottleneck(nn.Sequential):
+    """The authors' bottleneck: Dense(size, relu) -> Dense(labels); `linear` drops the ReLU and the first bias."""
 
-        connectivity = _positive(model_cfg.get("connectivity"), "model.connectivity")
-        return UniformSparseLinear(in_features, num_labels, connectivity, init=init,
-                                   distinct_sources=bool(model_cfg.get("distinct_sources", False)))
-    if head == "unstructured":
-        from xmc_repro.sparse import UnstructuredSparseLinear
+    def __init__(self, in_features: int, num_labels: int, bottleneck: int, bottleneck_activation: str = "relu"):
+        size = positive_int(bottleneck, "model.bottleneck")
+        if bottleneck_activation == "relu":
+            super().__init__(nn.Linear(in_features, size), nn.ReLU(), nn.Linear(size, num_labels))
+        else:
+            super().__init__(nn.Linear(in_features, size, bias=False), nn.Linear(size, num_labels))
 
-        connectivity = _positive(model_cfg.get("connectivity"), "model.connectivity")
-        return UnstructuredSparseLinear(in_features, num_labels, connectivity, init=init)
-    if head == "mach":
-        from xmc_repro.mach import MachHead
 
-        mach = model_cfg.get("mach") or {}
-        return MachHead(in_features, num_labels, int(mach["num_hashes"]), int(mach["num_buckets"]),
-                        decode=mach.get("decode", "probability"))
-    raise ConfigError(f"model.head={head!r} is unknown; choose one of {', '.join(HEADS)} (e.g. model=uniform)")
+def conf_choice(group: str, name: str) -> dict:
+    """conf/<group>/<name>.yaml as a dict (its defaults list dropped), for objects built without Hydra."""
+    path = resource_dir("conf") / group / f"{name}.yaml"
+    if not path.is_file():
+        names = sorted(p.stem for p in path.parent.glob("*.yaml"))
+        raise ConfigError(f"{group}={name!r} is unknown; choose one of {', '.join(names)}")
+    spec = OmegaConf.load(path)
+    spec.pop("defaults", None)
+    return spec
+
+
+def instantiate_with(spec, *args, **kwargs):
+    """`spec["_target_"]` called with `args`, `kwargs` and those settings of `spec` its signature names.
+
+    A model config holds the settings of the whole model (`intermediate`, rewiring, the run's name) beside
+    the head's own: each object takes what it names. A ConfigError or ValueError raised while building stays one
+    line (Hydra would wrap it in an InstantiationException).
+    """
+    spec = OmegaConf.create(spec) if not OmegaConf.is_config(spec) else spec
+    target = get_object(spec._target_)
+    names = inspect.signature(target).parameters
+    chosen = {key: spec[key] for key in spec if key in names and key not in kwargs}
+    chosen.update({key: spec[key] for key in ("_target_", "_partial_") if key in spec})
+    try:
+        return instantiate(chosen, *args, _convert_="all", **kwargs)
+    except InstantiationException as error:
+        cause = error.__cause__
+        if isinstance(cause, ConfigError):
+            raise cause from None
+        if isinstance(cause, ValueError):
+            raise ConfigError(f"{spec._target_}: {cause}") from None
+        raise
+
+
+def head_spec(head: str, **settings) -> dict:
+    """The settings of head `head`: conf/model/<head>.yaml under `settings` (a whole model config has `_target_`)."""
+    if "_target_" in settings:
+        return {"head": head, **settings}
+    return {**OmegaConf.to_container(conf_choice("model", head)), **settings}
+
+
+def build_loss(loss) -> callable:
+    """`loss(scores, label_ptr, label_idx)` from a loss config, or the name of one in conf/loss/."""
+    return instantiate_with(conf_choice("loss", loss) if isinstance(loss, str) else loss)
 
 
 @torch.no_grad()
@@ -74,15 +104,10 @@ class XMCClassifier(pl.LightningModule):
         num_features: int,
         num_labels: int,
         head: str = "uniform",
-        connectivity: int | None = 32,
         intermediate: int | None = None,
-        bottleneck: int | None = None,
-        mach: dict | None = None,
         init: str = "authors",
-        distinct_sources: bool = False,
-        bottleneck_activation: str = "relu",
         dropout: float = 0.1,
-        loss: str = "squared_hinge",
+        loss: str | dict = "squared_hinge",
         lr: float = 1e-3,
         adam_eps: float = 1e-7,
         lr_factor: float = 0.5,
@@ -90,37 +115,36 @@ class XMCClassifier(pl.LightningModule):
         lr_threshold: float = 1e-3,
         min_lr: float = 1e-4,
         inv_propensity=None,
+        **head_settings,
     ):
+        """`head` names conf/model/<head>.yaml; `head_settings` override its settings (`connectivity=64`), or
+        with `_target_` are the whole model config. `loss` names conf/loss/<loss>.yaml or is a loss config."""
         super().__init__()
         self.save_hyperparameters(ignore=["inv_propensity"])
         layers: list[nn.Module] = [nn.Dropout(dropout)]
         width = num_features
         if intermediate is not None:
-            width = _positive(intermediate, "model.intermediate")
+            width = positive_int(intermediate, "model.intermediate")
             layers += [nn.Linear(num_features, width), nn.ReLU()]
         self.encoder = nn.Sequential(*layers)
-        model_cfg = {"connectivity": connectivity, "bottleneck": bottleneck, "mach": mach, "init": init,
-                     "distinct_sources": distinct_sources, "bottleneck_activation": bottleneck_activation}
-        self.head = build_head(head, width, num_labels, model_cfg)
+        self.head = instantiate_with(head_spec(head, init=init, **head_settings), width, num_labels)
         if init == "authors":
             init_dense_like_keras_(self)
         self.loss_fn = build_loss(loss)
         self.val_metrics = XMCMetrics(num_labels, ks=(1, 3, 5), inv_propensity=inv_propensity)
 
-    @property
-    def is_mach(self) -> bool:
-        return self.hparams.head == "mach"
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """Label scores; for MACH the decoded label scores."""
+        """Label scores. A head whose outputs are not label scores (MACH's meta-scores) decodes them: `decode`."""
         out = self.head(self.encoder(x))
-        return self.head.decode(out) if self.is_mach else out
+        decode = getattr(self.head, "decode", None)
+        return decode(out) if decode is not None else out
 
     def training_step(self, batch, batch_idx):
         x, label_ptr, label_idx = batch
         scores = self.head(self.encoder(x))
-        if self.is_mach:  # MACH trains its meta-classifiers on hashed labels
-            label_ptr, label_idx = self.head.meta_labels(label_ptr, label_idx)
+        targets = getattr(self.head, "meta_labels", None)
+        if targets is not None:  # a head trained on other targets than the labels (MACH: hashed labels)
+            label_ptr, label_idx = targets(label_ptr, label_idx)
         loss = self.loss_fn(scores, label_ptr, label_idx)
         # Checked at once on a CPU; on a GPU read every 50 steps and at an epoch's last batch (no per-step
         # sync), so the run may stop up to 49 steps after the bad one -- the message names the bad step.
@@ -193,16 +217,3 @@ class XMCClassifier(pl.LightningModule):
         self.train(was_training)
         return {k: float(v) for k, v in metrics.compute().items()}
 
-
-def param_count(module: nn.Module) -> int:
-    return sum(p.numel() for p in module.parameters())
-
-
-def describe(model: XMCClassifier) -> str:
-    hp = model.hparams
-    parts = [f"{hp.head} head"]
-    if hp.connectivity and hp.head in ("uniform", "unstructured"):
-        parts.append(f"{hp.connectivity} per label")
-    if hp.intermediate:
-        parts.append(f"intermediate {hp.intermediate}")
-    return f"{', '.join(parts)}; {param_count(model) / 1e6:.2f}M parameters"

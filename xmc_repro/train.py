@@ -8,23 +8,22 @@ continues the same run from it with the run's own settings (see `xmc_repro.resum
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
 import lightning.pytorch as pl
 import torch
-from lightning.pytorch.callbacks import EarlyStopping, ModelCheckpoint
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
 from xmc_repro import checkpoints
-from xmc_repro.callbacks import EpochTime, PeakMemory, Rewiring
 from xmc_repro.console import EpochLine, ProgressBar
 from xmc_repro.data import build_datamodule
 from xmc_repro.describe import run_name
 from xmc_repro.distributed import launch_problem, launch_rank
 from xmc_repro.errors import ConfigError, StorageError, UserError
 from xmc_repro.metrics import inverse_propensity
-from xmc_repro.model import NonFiniteLossError, XMCClassifier
+from xmc_repro.model import NonFiniteLossError, XMCClassifier, instantiate_with
 from xmc_repro.resume import CHECKPOINT_ROOT, prepare
 from xmc_repro.tracking import RunTracker, device_name, git_commit
 from xmc_repro.validation import validate as validate_values
@@ -81,21 +80,15 @@ def disk_full(error: BaseException) -> bool:
 
 
 def build_model(cfg: DictConfig, dm) -> XMCClassifier:
-    t, m = cfg.trainer, cfg.model
+    """The classifier of `model` (its head: `model._target_`) and `loss`, trained as `trainer` says."""
+    t = cfg.trainer
     inv_prop = inverse_propensity(dm.train_label_counts, cfg.dataset.propensity.A, cfg.dataset.propensity.B)
     return XMCClassifier(
         num_features=dm.num_features,
         num_labels=dm.num_labels,
-        head=m.head,
-        connectivity=m.connectivity,
-        intermediate=m.intermediate,
-        bottleneck=m.bottleneck,
-        mach=None if m.mach is None else dict(m.mach),
-        init=m.get("init", "authors"),
-        distinct_sources=bool(m.get("distinct_sources", False)),
-        bottleneck_activation=m.get("bottleneck_activation", "relu"),
+        **OmegaConf.to_container(cfg.model, resolve=True),
         dropout=float(cfg.dataset.dropout),
-        loss=cfg.loss.name,
+        loss=OmegaConf.to_container(cfg.loss, resolve=True),
         lr=t.lr,
         adam_eps=float(t.get("adam_eps", 1e-7)),
         lr_factor=t.lr_factor,
@@ -107,29 +100,18 @@ def build_model(cfg: DictConfig, dm) -> XMCClassifier:
 
 
 def build_callbacks(cfg: DictConfig, checkpoint_dir: Path, info: dict | None = None) -> dict[str, pl.Callback]:
-    t, d = cfg.trainer, cfg.dataset
-    callbacks = {
-        "rewiring": Rewiring(
-            fraction=float(cfg.model.rewire_fraction),
-            every_n_steps=d.get("rewire_every_n_steps"),
-            every_epoch=bool(d.get("rewire_every_epoch", False)),
-            seed=int(cfg.seed),
-            schedule=cfg.model.get("rewire_schedule", "authors"),
-            exact_count=bool(cfg.model.get("rewire_exact_count", False)),
-        ),
-        "memory": PeakMemory(),
-        "time": EpochTime(),
-        # Both thresholds are P@3 fractions in the authors' code; our metrics are percentages.
-        "early_stop": EarlyStopping(
-            monitor="val/p_at_3", mode="max", patience=t.early_stop_patience, min_delta=t.early_stop_min_delta * 100
-        ),
-        # Always best.ckpt (no -v1 copies when a resumed run finds it there already).
-        "best": ModelCheckpoint(
-            dirpath=checkpoint_dir, filename="best", monitor="val/p_at_3", mode="max", enable_version_counter=False
-        ),
-        "last": checkpoints.LastCheckpoint(checkpoint_dir, t.get("checkpoint_every_n_steps"), info),
+    """`callbacks` (conf/callbacks/), by name; partial ones get the run's checkpoint folder here."""
+    run_args = {
+        "best": {"dirpath": checkpoint_dir},
+        "last": {"dirpath": checkpoint_dir, "every_n_steps": cfg.trainer.get("checkpoint_every_n_steps"),
+                 "info": info},
     }
-    callbacks["progress"] = ProgressBar() if t.progress_bar else EpochLine()  # the latter: one line per epoch
+    callbacks = {}
+    for name, spec in cfg.callbacks.items():
+        made = instantiate_with(spec)
+        callbacks[name] = made(**run_args.get(name, {})) if isinstance(made, functools.partial) else made
+    # Not from the config: trainer.progress_bar may change when a run is resumed.
+    callbacks["progress"] = ProgressBar() if cfg.trainer.progress_bar else EpochLine()  # the latter: a line an epoch
     return callbacks
 
 

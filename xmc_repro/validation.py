@@ -127,14 +127,11 @@ def _model(cfg: DictConfig) -> None:
             f"model.intermediate={m.intermediate} must be a positive layer size, or null for no intermediate layer"
         )
     number(cfg, "model.rewire_fraction", low=0, high=1, high_open=True)
-    if m.head in ("uniform", "unstructured"):
-        positive_int(m.get("connectivity"), "model.connectivity", example=32)
-    if m.head == "bottleneck":
-        positive_int(m.get("bottleneck"), "model.bottleneck", example=64)
-    if m.head == "mach":
-        mach = m.get("mach") or {}
-        for name in ("num_hashes", "num_buckets"):
-            positive_int(mach.get(name), f"model.mach.{name}", example=8 if name == "num_hashes" else 1024)
+    # Sizes a head's config sets (conf/model/<head>.yaml), checked before anything loads; one left null fails
+    # when the head is built, with the same message.
+    for key, example in (("connectivity", 32), ("bottleneck", 64), ("mach.num_hashes", 8), ("mach.num_buckets", 1024)):
+        if OmegaConf.select(m, key.split(".")[0]) is not None:
+            positive_int(OmegaConf.select(m, key), f"model.{key}", example=example)
     _precision(cfg)
 
 

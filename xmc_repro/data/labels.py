@@ -11,6 +11,24 @@ from dataclasses import dataclass
 import numpy as np
 
 
+def flat_keys(ptr, idx, width: int):
+    """One int64 key ``row * width + label`` per listed label (NumPy arrays, or torch tensors on their device).
+
+    Sorting the keys sorts by row, then by label within a row; ``divmod(key, width)`` gives (row, label) back.
+    ``idx`` may carry trailing dimensions (several labels per listed one, as MACH's buckets): each gets its row.
+    All sizes are known on the host, so torch tensors on a GPU are not read back.
+    """
+    if isinstance(idx, np.ndarray):
+        rows = np.repeat(np.arange(len(ptr) - 1, dtype=np.int64), np.diff(ptr))
+        return rows.reshape((-1,) + (1,) * (idx.ndim - 1)) * width + idx.astype(np.int64)
+    import torch
+
+    ptr, idx = ptr.to(device=idx.device, dtype=torch.long), idx.long()
+    rows = torch.repeat_interleave(torch.arange(len(ptr) - 1, device=idx.device), ptr[1:] - ptr[:-1],
+                                   output_size=idx.shape[0])
+    return rows.view((-1,) + (1,) * (idx.dim() - 1)) * width + idx
+
+
 @dataclass
 class LabelCSR:
     ptr: np.ndarray  # int64 (points + 1,)
@@ -53,7 +71,7 @@ class LabelCSR:
     def deduplicated(self) -> LabelCSR:
         """Labels sorted within each row, repeats dropped (a label listed twice is still one positive)."""
         width = max(self.num_labels, 1)
-        key = np.repeat(np.arange(self.num_points, dtype=np.int64), self.lengths()) * width + self.idx
+        key = flat_keys(self.ptr, self.idx, width)
         if len(key) < 2 or (key[1:] > key[:-1]).all():  # already sorted and unique: the usual case
             return self
         key = np.sort(key)
