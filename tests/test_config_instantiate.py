@@ -1,0 +1,148 @@
+"""Every config builds: each job of every `experiment=table1..5` preset at both scales instantiates its model, loss
+and callbacks (tiny data sizes); a head is one class and one config; config errors stay one line."""
+
+from __future__ import annotations
+
+import functools
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+from omegaconf import OmegaConf
+from torch import nn
+
+from xmc_repro.data.datamodule import LabelCounts
+from xmc_repro.errors import ConfigError
+from xmc_repro.model import XMCClassifier, build_loss
+from xmc_repro.report import grid
+from xmc_repro.train import build_callbacks, build_model
+from xmc_repro.validation import validate
+
+FEATURES, LABELS = 128, 48  # inputs >= every preset's connectivity (64); MACH's sizes do not depend on the labels
+
+
+def _compose(overrides):
+    from hydra import compose
+
+    with grid.conf_dir():
+        return compose("config", overrides=list(overrides))
+
+
+@functools.lru_cache(maxsize=None)
+def _dataset(choice: str):
+    return _compose([f"dataset={choice}"]).dataset
+
+
+def _is_setting(override: str) -> bool:
+    """`model.connectivity=64` (a value) rather than `dataset=x` or `+experiment/row=y` (a config choice)."""
+    key = override.split("=", 1)[0]
+    return "." in key and not key.startswith(("+", "~", "hydra."))
+
+
+def preset_configs(table: str, scale: str, jobs=None):
+    """(job, composed config) for every job of the preset's sweep.
+
+    Composing costs a few tenths of a second, so each job shape (its config choices but the dataset) is composed
+    once; the job's dataset and values are then put in as Hydra would. `test_the_shortcut_composes_as_hydra_does`
+    holds this to a full compose.
+    """
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    parser = OverridesParser.create()
+    shapes = {}
+    for job in jobs or grid.job_overrides(table, scale):
+        dataset = next(o.split("=", 1)[1] for o in job if o.startswith("dataset="))
+        choices = tuple(o for o in job if not _is_setting(o) and not o.startswith("dataset="))
+        if choices not in shapes:
+            shapes[choices] = _compose(choices)
+        cfg = shapes[choices].copy()
+        cfg.dataset = _dataset(dataset)
+        for override in filter(_is_setting, job):
+            parsed = parser.parse_override(override)
+            OmegaConf.update(cfg, parsed.key_or_group, parsed.value(), merge=False)
+        yield job, cfg
+
+
+def _fake_data():
+    return SimpleNamespace(num_features=FEATURES, num_labels=LABELS,
+                           train_label_counts=LabelCounts(np.arange(LABELS) % 5, num_points=200))
+
+
+@pytest.mark.parametrize("scale", grid.SCALES)
+@pytest.mark.parametrize("table", grid.TABLES)
+def test_every_job_of_every_preset_builds_its_model_loss_and_callbacks(table, scale, tmp_path):
+    x = torch.rand(2, FEATURES)
+    ptr, idx = torch.tensor([0, 2, 3]), torch.tensor([1, 7, 40])
+    heads = set()
+    for job, cfg in preset_configs(table, scale):
+        validate(cfg)
+        model = build_model(cfg, _fake_data())
+        heads.add(cfg.model.head)
+        assert model.hparams.intermediate == cfg.model.intermediate, job
+        assert float(model.loss_fn(model(x), ptr, idx)) >= 0, job
+        callbacks = build_callbacks(cfg, tmp_path, {})
+        assert {"rewiring", "early_stop", "best", "last", "progress"} <= set(callbacks), job
+        assert callbacks["rewiring"].fraction == cfg.model.rewire_fraction
+        assert callbacks["rewiring"].every_epoch == bool(cfg.dataset.rewire_every_epoch), job
+        assert callbacks["best"].dirpath == str(tmp_path) and callbacks["last"].dirpath == tmp_path
+    if table == "table1":
+        assert heads == {"dense", "uniform", "unstructured", "bottleneck", "mach"}
+
+
+@pytest.mark.parametrize("table", grid.TABLES)
+def test_the_shortcut_composes_as_hydra_does(table):
+    for scale in grid.SCALES:
+        [(job, quick)] = preset_configs(table, scale, grid.job_overrides(table, scale)[-1:])
+        full = _compose(job)
+        assert OmegaConf.to_container(quick, resolve=True) == OmegaConf.to_container(full, resolve=True), job
+
+
+def test_the_interval_is_the_datasets_and_the_fraction_the_models(tmp_path):
+    cfg = _compose(["dataset=wiki10_31k", "model.rewire_fraction=0.3", "model.rewire_schedule=multiples"])
+    rewiring = build_callbacks(cfg, tmp_path)["rewiring"]
+    assert (rewiring.every_epoch, rewiring.every_n_steps, rewiring.fraction, rewiring.schedule) == (
+        True, None, 0.3, "multiples")
+    cfg = _compose(["dataset=synthetic", "dataset.rewire_every_n_steps=7", "model=dense"])
+    rewiring = build_callbacks(cfg, tmp_path)["rewiring"]
+    assert (rewiring.every_epoch, rewiring.every_n_steps, rewiring.fraction) == (False, 7, 0.0)
+
+
+class LowRankHead(nn.Sequential):
+    """The README's example of a new head: its settings are the constructor's keyword arguments."""
+
+    def __init__(self, in_features: int, num_labels: int, rank: int = 16):
+        super().__init__(nn.Linear(in_features, rank, bias=False), nn.Linear(rank, num_labels))
+
+
+def test_a_new_head_is_a_class_and_a_config(tmp_path):
+    cfg = _compose(["model=dense", "trainer.max_epochs=1"])
+    new_head = OmegaConf.create({"_target_": f"{__name__}.LowRankHead", "head": "lowrank", "rank": 4,
+                                 "label": "lowrank-${.rank}"})
+    OmegaConf.set_struct(cfg, False)
+    cfg.model = OmegaConf.merge(cfg.model, new_head)  # as conf/model/lowrank.yaml over conf/model_common.yaml
+    model = build_model(cfg, _fake_data())
+    assert isinstance(model.head, LowRankHead) and model.head[0].out_features == 4
+    from xmc_repro.describe import run_name
+
+    assert " lowrank-4 " in run_name(cfg)
+
+
+def test_a_head_by_name_takes_its_config_file_defaults_and_the_settings_it_names():
+    model = XMCClassifier(FEATURES, LABELS, head="uniform", distinct_sources=True, bottleneck=3)
+    assert model.head.connectivity == 32 and model.head.distinct_sources  # conf/model/uniform.yaml, then the call
+    assert type(XMCClassifier(10, 20, head="mach").head).__name__ == "MachHead"
+
+
+def test_errors_raised_while_building_stay_one_line():
+    with pytest.raises(ConfigError, match=r"^model.connectivity=9 exceeds the layer's 8 input features"):
+        XMCClassifier(8, 10, head="uniform", connectivity=9)
+    with pytest.raises(ConfigError, match=r"^model=.nope. is unknown; choose one of bottleneck, dense, mach"):
+        XMCClassifier(8, 10, head="nope")
+    with pytest.raises(ConfigError, match=r"^model.mach.decode='max' is unknown"):
+        XMCClassifier(8, 10, head="mach", mach={"num_hashes": 2, "num_buckets": 4, "decode": "max"})
+    with pytest.raises(ConfigError, match=r"^xmc_repro.callbacks.Rewiring: rewiring schedule 'weekly' is unknown"):
+        from xmc_repro.model import instantiate_with
+
+        instantiate_with({"_target_": "xmc_repro.callbacks.Rewiring", "fraction": 0.1, "schedule": "weekly"})
+    assert callable(build_loss("bce"))
