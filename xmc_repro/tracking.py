@@ -47,6 +47,17 @@ RETRY_SECONDS = 600.0  # give up on a locked store after this long
 _CONTENTION = ("database is locked", "database table is locked", "database schema has changed")
 _jitter = random.Random()  # its own generator: retries must not move the global RNG that training uses
 TAG_KEYS = ("table", "scale")  # config keys recorded as tags (what the report filters on), not as params
+
+
+def is_setting(key: str) -> bool:
+    """Whether a flattened config key is a setting of its own, logged as a param.
+
+    Not: the callbacks' wiring (their values are model/dataset/trainer settings, logged there), the classes
+    objects are built from, and the names derived from other settings.
+    """
+    leaf = key.rsplit("/", 1)[-1]
+    return not (key.startswith("callbacks/") or leaf in ("_target_", "_partial_")
+                or key in ("model/label", "model/description"))
 # Without this experiment tag MLflow 3's UI opens an experiment on its (empty) GenAI overview, not the runs table.
 EXPERIMENT_KIND = ("mlflow.experimentKind", "custom_model_development")
 # A tracking server that does not answer is reported within seconds, not after MLflow's default 7 retries
@@ -221,7 +232,7 @@ class RunTracker:
 
     def log_config(self, cfg: DictConfig, tags: dict[str, str]) -> None:
         """Params: the resolved config flattened with `/`, once each; `table` and `scale` go to `tags`."""
-        params = [Param(k, v) for k, v in flatten(cfg).items() if k not in TAG_KEYS]
+        params = [Param(k, v) for k, v in flatten(cfg).items() if k not in TAG_KEYS and is_setting(k)]
         existing = with_retries(self.client.get_run, self.run_id).data.params
         params = [p for p in params if p.key not in existing]  # a resumed run keeps its params
         for start in range(0, len(params), 100):  # MLflow's batch limit
