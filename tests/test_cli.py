@@ -87,6 +87,7 @@ def test_a_sweep_of_20_runs_reads_well_in_mlflow_and_on_the_console(tmp_path):
     assert len(epoch_lines) == 20 and all(" val P@1 " in line and "  lr " in line for line in epoch_lines)
     console = result.stdout + result.stderr
     assert "Tip" not in console and "logging interval" not in console and "LeafSpec" not in console
+    assert "exists and is not empty" not in console  # the run's own checkpoint folder
     assert "[lightning" not in console  # Lightning's lines are not repeated through Hydra's logger
     assert console.count("/#/experiments/") == 20  # each summary links the runs table
 

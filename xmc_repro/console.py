@@ -21,6 +21,7 @@ SHOWN = (("train/loss_step", "loss"), ("val/p_at_3", "val P@3"))
 UNACTIONABLE = (
     r".*is smaller than the logging interval.*",  # short epochs: per-step loss then reaches MLflow once an epoch
     r".*isinstance\(treespec, LeafSpec\)` is deprecated.*",  # Lightning vs. a newer torch
+    r"Checkpoint directory .* exists and is not empty.*",  # the run's own folder: its writer lock, or a resume
 )
 
 
