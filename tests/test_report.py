@@ -537,3 +537,24 @@ def test_smoke_skips_datasets_without_data_once_and_fails_when_a_job_failed(tmp_
     assert printed.count("missing: data not found at") == 2  # Bibtex and Delicious, once each
     assert json.loads((tmp_path / "missing.json").read_text()) == {
         "Bibtex": str(tmp_path / "no-data" / "Bibtex"), "Delicious": str(tmp_path / "no-data" / "Delicious")}
+
+
+def test_stand_ins_are_checked_against_the_real_order_of_models():
+    from xmc_repro.report.standins import markdown
+
+    def run(dataset, setup, p1, intermediate="", features="bow", connectivity="32"):
+        return {"dataset": dataset, "features": features, "setup": setup, "loss": "squared_hinge", "test_p1": str(p1),
+                "connectivity": "" if setup == "dense" else connectivity, "intermediate": intermediate,
+                "last_end_time": "2026-01-01"}  # fmt: skip
+
+    real = [run("Bibtex", "dense", 60), run("Bibtex", "uniform", 20), run("Bibtex", "unstructured", 25),
+            run("Delicious", "dense", 66), run("Delicious", "uniform", 50), run("Delicious", "unstructured", 45)]
+    smoke = [run("Smoke-X", "dense", 10, features="slice"), run("Smoke-X", "uniform", 12, features="slice"),
+             run("Smoke-X", "unstructured", 3, features="slice"),
+             run("Smoke-X", "uniform", 30, connectivity="64", features="slice")]  # not a compared model
+    text = markdown(real, smoke)
+    assert "| dense > uniform | reversed (10.0 vs 12.0) |" in text
+    assert "| dense > unstructured | agrees (10.0 vs 3.0) |" in text
+    assert "uniform > unstructured" not in text and "unstructured > uniform" not in text  # the real sets disagree
+    assert "| **pairs in the real order** | 1/2 |" in text
+    assert "Not measurable here" in markdown(real, [])

@@ -247,8 +247,10 @@ def markdown(claims: list[Claim]) -> str:
 
 
 def write_claims(runs: list[dict], path: Path) -> dict[str, str]:
-    """Write claims.md; returns each claim's verdict."""
+    """Write claims.md (the claims, then how the stand-ins order the models); returns each claim's verdict."""
+    from xmc_repro.report.standins import section
+
     claims = evaluate(runs)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(markdown(claims))
+    path.write_text(markdown(claims) + "\n" + section(runs))
     return {c.key: c.verdict for c in claims}
