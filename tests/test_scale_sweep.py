@@ -64,8 +64,8 @@ def test_submitit_local_sweep_logs_to_tracking_server(tmp_path, mlflow_server):
     sweep_dir = tmp_path / "multirun"
     env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
            "MLFLOW_TRACKING_URI": "sqlite:///must-not-be-used.db"}
-    # Started at once with the server: the jobs take longer to import than the server to start, and the
-    # MLflow client retries a refused connection anyway.
+    # A server that does not answer is refused at once (within seconds, not after minutes of retries): wait for it.
+    wait_healthy(uri, server)
     sweep = subprocess.run(
         [sys.executable, "-m", "xmc_repro", "-m", "hydra/launcher=submitit_local", "model=dense,uniform",
          f"logger.tracking_uri={uri}", "logger.experiment_name=sweep_test", f"hydra.sweep.dir={sweep_dir}",
@@ -73,7 +73,6 @@ def test_submitit_local_sweep_logs_to_tracking_server(tmp_path, mlflow_server):
         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300,
     )
     assert sweep.returncode == 0, sweep.stdout[-3000:] + sweep.stderr[-3000:]
-    wait_healthy(uri, server)
 
     from mlflow.tracking import MlflowClient
 
