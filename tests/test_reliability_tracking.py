@@ -73,6 +73,11 @@ def test_contention_is_recognised_through_mlflow_wrapping():
     except MlflowException as wrapped:
         assert tracking.is_contention(wrapped)
     assert not tracking.is_contention(ValueError("bad value"))
+    # Two sweep jobs logging the same dataset into one store at once (seen through a tracking server).
+    race = MlflowException("BAD_REQUEST: (sqlite3.IntegrityError) UNIQUE constraint failed: datasets.experiment_id, "
+                           "datasets.name, datasets.digest")
+    assert tracking.is_contention(race)
+    assert not tracking.is_contention(MlflowException("UNIQUE constraint failed: runs.run_uuid"))
 
 
 def test_sqlite_path():

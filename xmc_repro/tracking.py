@@ -44,7 +44,9 @@ except ImportError:  # not POSIX: no lock, the retries still apply
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
 MAX_PARAM_CHARS = 6000  # MLflow's limit on a param value
 RETRY_SECONDS = 600.0  # give up on a locked store after this long
-_CONTENTION = ("database is locked", "database table is locked", "database schema has changed")
+_CONTENTION = ("database is locked", "database table is locked", "database schema has changed",
+               # two jobs logging the same dataset at once: the loser's retry finds the row and links to it
+               "unique constraint failed: datasets.")
 _jitter = random.Random()  # its own generator: retries must not move the global RNG that training uses
 TAG_KEYS = ("table", "scale")  # config keys recorded as tags (what the report filters on), not as params
 
