@@ -7,16 +7,8 @@ import pytest
 import scipy.sparse as sp
 
 from xmc_repro.data import xc_format
-from xmc_repro.data.labels import LabelCSR
-from xmc_repro.data.sources import shared_data_root
-from xmc_repro.data.xc_format import (
-    read_labels,
-    read_sparse_labels,
-    read_sparse_matrix,
-    read_xc,
-    write_sparse_labels,
-    write_xc,
-)
+from xmc_repro.data import (LabelCSR, read_labels, read_sparse_labels, read_sparse_matrix, read_xc,
+                            shared_data_root, write_sparse_labels, write_xc)
 from xmc_repro.errors import DataError
 
 

@@ -26,8 +26,9 @@ from pathlib import Path
 
 import torch
 
+from xmc_repro.bench import GIB
+
 PHASES = ("forward", "loss", "backward", "optimizer")
-GIB = 2**30
 
 
 @dataclass(frozen=True)
