@@ -159,12 +159,14 @@ def test_resume_config_keeps_the_run_settings():
     stored = OmegaConf.create({"model": {"head": "uniform", "connectivity": 8}, "trainer": {"max_epochs": 3, "lr": 0.1},
                                "logger": {"tracking_uri": "sqlite:///old.db"}, "resume": None})
     now = OmegaConf.create({"model": {"head": "dense", "connectivity": None}, "trainer": {"max_epochs": 5, "lr": 0.1},
-                            "logger": {"tracking_uri": "sqlite:///new.db"}, "resume": "abc", "new_section": {"x": 1}})
+                            "logger": {"tracking_uri": "sqlite:///new.db"}, "resume": "abc", "new_section": {"x": 1},
+                            "callbacks": {"size": "${model.connectivity}"}})
     merged = resume_config(now, stored, explicit=["resume", "trainer.max_epochs", "trainer.lr"])
     assert merged.model.head == "uniform" and merged.model.connectivity == 8  # not given: the run's own
     assert merged.trainer.max_epochs == 5  # may change
     assert merged.logger.tracking_uri == "sqlite:///new.db" and merged.resume == "abc"
     assert merged.new_section.x == 1
+    assert merged.callbacks.size == 8  # a section the run lacks reads the run's settings, not this command line's
     with pytest.raises(Exception, match="model was"):
         resume_config(now, stored, explicit=["model"])
 

@@ -101,8 +101,10 @@ def resume_config(cfg: DictConfig, stored: DictConfig, explicit: list[str]) -> D
         if key in explicit:
             OmegaConf.update(merged, key, OmegaConf.select(cfg, key), force_add=True)
     for key in cfg:
-        if key in LIVE_SECTIONS or key not in merged:
+        if key in LIVE_SECTIONS:
             merged[key] = _plain(cfg[key])
+        elif key not in merged:  # a section newer than the run: its interpolations resolve against the run's settings
+            merged[key] = OmegaConf.to_container(cfg[key], resolve=False) if isinstance(cfg[key], DictConfig) else cfg[key]
     return merged
 
 
