@@ -90,10 +90,7 @@ class Claim:
         return "\n".join(lines) + "\n"
 
 
-def c1_underfits(runs: list[dict]) -> Claim:
-    claim = Claim("C1", "a sparse last layer without intermediate layer underfits",
-                  f"Holds where the sparse model's train P@1 is more than {TOLERANCE:g} point below the dense "
-                  "model's on the same data.")  # fmt: skip
+def c1_underfits(claim: Claim, runs: list[dict]) -> None:
     for dataset in REAL_DATA:
         dense = pick(runs, dataset, "dense")
         for setup in ("uniform", "unstructured"):
@@ -105,13 +102,9 @@ def c1_underfits(runs: list[dict]) -> Claim:
                                   sparse, dense)  # fmt: skip
         if not dense or not claim.outcomes:
             claim.missing.append(f"no trained runs of dense and uniform/unstructured without intermediate on {dataset}")
-    return claim
 
 
-def c2_intermediate(runs: list[dict]) -> Claim:
-    claim = Claim("C2", "a dense intermediate layer brings the uniform model to the dense model's P@k",
-                  f"Holds where uniform + intermediate is at most {TOLERANCE:g} point below dense in test "
-                  "P@1, P@3 and P@5.")  # fmt: skip
+def c2_intermediate(claim: Claim, runs: list[dict]) -> None:
     for dataset in REAL_DATA:
         dense = pick(runs, dataset, "dense")
         here = [r for r in runs if r["dataset"] == dataset and r["setup"] == "uniform" and r["intermediate"]]
@@ -130,13 +123,9 @@ def c2_intermediate(runs: list[dict]) -> Claim:
                                f"{_pk(dense_after)}", uniform, dense_after)  # fmt: skip
         if not dense or not here:
             claim.missing.append(f"no trained runs of dense and uniform with an intermediate layer on {dataset}")
-    return claim
 
 
-def c3_uniform_vs_unstructured(runs: list[dict]) -> Claim:
-    claim = Claim("C3", "uniform sparsity is as good as unstructured sparsity at equal connectivity",
-                  f"Holds where their test P@1, P@3, P@5 differ by at most {TOLERANCE:g} point, with and "
-                  "without the same intermediate layer.")  # fmt: skip
+def c3_uniform_vs_unstructured(claim: Claim, runs: list[dict]) -> None:
     for dataset in REAL_DATA:
         before = len(claim.outcomes)
         for run in [r for r in runs if r["dataset"] == dataset and r["setup"] == "unstructured"]:
@@ -148,13 +137,9 @@ def c3_uniform_vs_unstructured(runs: list[dict]) -> Claim:
                               f"vs {_model(run)} {_pk(run)}", uniform, run)  # fmt: skip
         if len(claim.outcomes) == before:
             claim.missing.append(f"no trained uniform and unstructured runs of equal connectivity on {dataset}")
-    return claim
 
 
-def c4_memory(runs: list[dict]) -> Claim:
-    claim = Claim("C4", "a uniform last layer needs a small fraction of the dense layer's GPU memory (3-10x less)",
-                  f"Holds where dense's peak GPU memory is at least {MEMORY_FACTOR:g} times the uniform model's, "
-                  "on the same card and data shape.")  # fmt: skip
+def c4_memory(claim: Claim, runs: list[dict]) -> None:
     gpu = [r for r in runs if r["scale"] != "smoke" and r["memory_gib"]]
     for dense in [r for r in gpu if r["setup"] == "dense" and not r["intermediate"]]:
         same = [r for r in gpu if r["setup"] == "uniform" and r["loss"] == dense["loss"]
@@ -166,13 +151,9 @@ def c4_memory(runs: list[dict]) -> Claim:
                           f"{float(uniform['memory_gib']):.2f} GiB: {factor:.1f}x less", uniform, dense)  # fmt: skip
     if not claim.outcomes:
         claim.missing.append("no dense and uniform runs with peak GPU memory at a dataset's full shape")
-    return claim
 
 
-def c5_loss(runs: list[dict]) -> Claim:
-    claim = Claim("C5", "squared hinge trains faster per epoch than binary cross-entropy and reaches at least its P@k",
-                  "Time: squared hinge's time per epoch below BCE's on the same GPU (full-shape runs). P@k: squared "
-                  f"hinge's test P@1, P@3, P@5 at most {TOLERANCE:g} point below BCE's (real data).")  # fmt: skip
+def c5_loss(claim: Claim, runs: list[dict]) -> None:
     timed = [r for r in runs if r["scale"] != "smoke" and r["time_per_epoch_s"] and not r["device"].startswith("cpu")]
     for bce in [r for r in timed if r["loss"] == "bce"]:
         hinge = [r for r in timed if r["loss"] == "squared_hinge" and all(r[c] == bce[c] for c in (
@@ -193,13 +174,9 @@ def c5_loss(runs: list[dict]) -> Claim:
                               f"{_pk(hinge)} vs BCE {_pk(bce)}", hinge, bce)  # fmt: skip
     if len(claim.outcomes) == timed_count:
         claim.missing.append("P@k: no trained runs of both losses with the same model on Bibtex or Delicious")
-    return claim
 
 
-def c6_more_capacity(runs: list[dict]) -> Claim:
-    claim = Claim("C6", "more connections, or a larger intermediate layer, raise P@k",
-                  "Holds where the larger model's test P@1 and P@3 are above the smaller's (same data, loss and "
-                  "the other size fixed).")  # fmt: skip
+def c6_more_capacity(claim: Claim, runs: list[dict]) -> None:
     for dataset in REAL_DATA:
         uniform = [r for r in runs if r["dataset"] == dataset and r["setup"] == "uniform" and r["loss"] == "squared_hinge"]
         for width in _values(uniform, "intermediate") or []:
@@ -211,7 +188,6 @@ def c6_more_capacity(runs: list[dict]) -> Claim:
     if not claim.outcomes:
         claim.missing.append("no trained uniform runs on Bibtex or Delicious that differ only in connectivity or "
                              "intermediate size")  # fmt: skip
-    return claim
 
 
 def _ladder(claim: Claim, ordered: list[dict], what: str) -> None:
@@ -221,12 +197,37 @@ def _ladder(claim: Claim, ordered: list[dict], what: str) -> None:
                       f"{_pk(small)}", large, small)  # fmt: skip
 
 
-CLAIMS = (c1_underfits, c2_intermediate, c3_uniform_vs_unstructured, c4_memory, c5_loss, c6_more_capacity)
+
+
+# (check, (key, statement, how it is decided)): each check adds its comparisons to the claim it is given.
+CLAIMS = (
+    (c1_underfits, ("C1", "a sparse last layer without intermediate layer underfits",
+     f"Holds where the sparse model's train P@1 is more than {TOLERANCE:g} point below the dense model's on the "
+     "same data.")),
+    (c2_intermediate, ("C2", "a dense intermediate layer brings the uniform model to the dense model's P@k",
+     f"Holds where uniform + intermediate is at most {TOLERANCE:g} point below dense in test P@1, P@3 and P@5.")),
+    (c3_uniform_vs_unstructured, ("C3", "uniform sparsity is as good as unstructured sparsity at equal connectivity",
+     f"Holds where their test P@1, P@3, P@5 differ by at most {TOLERANCE:g} point, with and without the same "
+     "intermediate layer.")),
+    (c4_memory, ("C4", "a uniform last layer needs a small fraction of the dense layer's GPU memory (3-10x less)",
+     f"Holds where dense's peak GPU memory is at least {MEMORY_FACTOR:g} times the uniform model's, on the same "
+     "card and data shape.")),
+    (c5_loss, ("C5", "squared hinge trains faster per epoch than binary cross-entropy and reaches at least its P@k",
+     "Time: squared hinge's time per epoch below BCE's on the same GPU (full-shape runs). P@k: squared hinge's "
+     f"test P@1, P@3, P@5 at most {TOLERANCE:g} point below BCE's (real data).")),
+    (c6_more_capacity, ("C6", "more connections, or a larger intermediate layer, raise P@k",
+     "Holds where the larger model's test P@1 and P@3 are above the smaller's (same data, loss and the other size "
+     "fixed).")),
+)  # fmt: skip
 
 
 def evaluate(runs: list[dict]) -> list[Claim]:
     trained = _trained(runs)
-    return [claim(trained) for claim in CLAIMS]
+    claims = []
+    for check, (key, statement, how) in CLAIMS:
+        claims.append(Claim(key, statement, how))
+        check(claims[-1], trained)
+    return claims
 
 
 def markdown(claims: list[Claim]) -> str:
