@@ -13,6 +13,7 @@ from torch import nn
 
 from xmc_repro.callbacks import Rewiring
 from xmc_repro.data import build_datamodule
+from xmc_repro.errors import ConfigError
 from xmc_repro.data.features import inverse_document_frequency, tfidf_rows
 from xmc_repro.model import XMCClassifier
 
@@ -73,6 +74,8 @@ def test_authors_init_of_dense_layers_is_glorot_uniform_with_zero_bias():
         assert bound * 0.99 < float(w.abs().max()) <= bound
         assert abs(float(w.var()) * 3 / bound**2 - 1) < 0.02
         assert torch.count_nonzero(layer.bias) == 0
+    with pytest.raises(ConfigError, match="model.init='keras' is unknown"):
+        XMCClassifier(300, 5000, head="dense", init="keras")
     torch_default = XMCClassifier(300, 5000, head="dense", intermediate=700, init="fan_in")
     assert torch.count_nonzero(torch_default.head.bias) > 0
     assert 0.99 / math.sqrt(300) < float(torch_default.encoder[1].weight.abs().max()) <= 1 / math.sqrt(300)

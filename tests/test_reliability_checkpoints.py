@@ -233,7 +233,7 @@ def test_best_checkpoint_reload_is_checked(finished, monkeypatch):
     from xmc_repro import train
 
     source = inspect.getsource(train)
-    assert "weights_only=False" not in source and "checkpoints.check_state(state, model, best)" in source
+    assert "weights_only=False" not in source and "checkpoints.load_checked(best, model" in source
     directory, run_id = finished
     best = directory / "checkpoints" / run_id / "best.ckpt"
     state = checkpoints.load(best, "best checkpoint")

@@ -9,9 +9,7 @@ import torch
 from lightning.pytorch.callbacks import EarlyStopping
 
 from xmc_repro.distributed import assert_identical_across_ranks
-
-
-SCHEDULES = ("authors", "multiples")
+from xmc_repro.validation import REWIRE_SCHEDULES
 
 
 class Rewiring(pl.Callback):
@@ -28,8 +26,8 @@ class Rewiring(pl.Callback):
 
     def __init__(self, fraction: float, every_n_steps: int | None = None, every_epoch: bool = False, seed: int = 0,
                  schedule: str = "authors", exact_count: bool = False):
-        if schedule not in SCHEDULES:
-            raise ValueError(f"rewiring schedule {schedule!r} is unknown; choose one of {', '.join(SCHEDULES)}")
+        if schedule not in REWIRE_SCHEDULES:
+            raise ValueError(f"rewiring schedule {schedule!r} is unknown; choose one of {', '.join(REWIRE_SCHEDULES)}")
         self.fraction = fraction
         self.every_n_steps = every_n_steps
         self.every_epoch = every_epoch

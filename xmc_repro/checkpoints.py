@@ -114,7 +114,7 @@ def load(path: str | Path, setting: str = "resume") -> dict:
     path = Path(path)
     try:
         unknown = sorted(pickled_globals(path) - ALLOWED_GLOBALS)
-    except (OSError, ValueError, zipfile.BadZipFile, Exception) as error:  # truncated, not a torch zip file
+    except Exception as error:  # unreadable, truncated, not a torch zip file
         raise ConfigError(f"{setting}={path}: not a readable checkpoint ({type(error).__name__}: {error})") from None
     if unknown:
         raise ConfigError(
@@ -138,6 +138,13 @@ def read(path: str | Path) -> dict:
     if not isinstance(section, dict) or not isinstance(section.get("config"), str):
         raise ConfigError(f"resume={path}: not a checkpoint written by python -m xmc_repro (no run config in it)")
     return section
+
+
+def load_checked(path: str | Path, model: torch.nn.Module, setting: str = "resume") -> dict:
+    """`load`, then `check_state` against `model`: a checkpoint whose tensors may reach the model's kernels."""
+    checkpoint = load(path, setting)
+    check_state(checkpoint, model, path)
+    return checkpoint
 
 
 def index_bounds(module: torch.nn.Module) -> list[tuple[int, int]] | None:
@@ -217,9 +224,7 @@ class SafeCheckpointIO(TorchCheckpointIO):
         self.model = model
 
     def load_checkpoint(self, path, map_location=None, weights_only=None) -> dict:
-        checkpoint = load(path)
-        check_state(checkpoint, self.model, path)
-        return checkpoint
+        return load_checked(path, self.model)
 
     def save_checkpoint(self, checkpoint, path, storage_options=None) -> None:
         path = Path(path)

@@ -15,7 +15,7 @@ from xmc_repro.errors import ConfigError
 from xmc_repro.losses import NonFiniteLossWatch
 from xmc_repro.metrics import XMCMetrics
 from xmc_repro.resources import resource_dir
-from xmc_repro.validation import positive_int
+from xmc_repro.validation import INITS, choice, positive_int
 
 
 class NonFiniteLossError(RuntimeError):
@@ -120,6 +120,7 @@ class XMCClassifier(pl.LightningModule):
         """`head` names conf/model/<head>.yaml; `head_settings` override its settings (`connectivity=64`), or
         with `_target_` are the whole model config. `loss` names conf/loss/<loss>.yaml or is a loss config."""
         super().__init__()
+        choice(init, "model.init", INITS)  # every layer reads it, the dense ones only when it is "authors"
         self.save_hyperparameters(ignore=["inv_propensity"])
         layers: list[nn.Module] = [nn.Dropout(dropout)]
         width = num_features
@@ -132,6 +133,9 @@ class XMCClassifier(pl.LightningModule):
             init_dense_like_keras_(self)
         self.loss_fn = build_loss(loss)
         self.val_metrics = XMCMetrics(num_labels, ks=(1, 3, 5), inv_propensity=inv_propensity)
+        # Checked at once on a CPU; on a GPU read every 50 steps and at an epoch's last batch (no per-step
+        # sync), so the run may stop up to 49 steps after the bad one -- the message names the bad step.
+        self._loss_watch = NonFiniteLossWatch(every=50)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Label scores. A head whose outputs are not label scores (MACH's meta-scores) decodes them: `decode`."""
@@ -146,10 +150,6 @@ class XMCClassifier(pl.LightningModule):
         if targets is not None:  # a head trained on other targets than the labels (MACH: hashed labels)
             label_ptr, label_idx = targets(label_ptr, label_idx)
         loss = self.loss_fn(scores, label_ptr, label_idx)
-        # Checked at once on a CPU; on a GPU read every 50 steps and at an epoch's last batch (no per-step
-        # sync), so the run may stop up to 49 steps after the bad one -- the message names the bad step.
-        if getattr(self, "_loss_watch", None) is None:
-            self._loss_watch = NonFiniteLossWatch(every=50)
         last = self._trainer is not None and self.trainer.is_last_batch
         bad = self._loss_watch.update(loss, self.global_step, flush=last)
         if bad is not None:

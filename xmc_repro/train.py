@@ -261,9 +261,7 @@ def _fit_and_test(cfg, tracker, checkpoint_dir: Path, resume_from: Path | None, 
     best = callbacks["best"].best_model_path
     if best:  # restore the best weights, as the authors' early stopping does
         # Via the host: the checkpoint also holds Adam's moments, which must not count as GPU memory.
-        state = checkpoints.load(best, "best checkpoint")
-        checkpoints.check_state(state, model, best)
-        model.load_state_dict(state["state_dict"])
+        model.load_state_dict(checkpoints.load_checked(best, model, "best checkpoint")["state_dict"])
     model.to(device)
     inv_prop = model.val_metrics.inv_propensity
     test = model.evaluate(dm.test_dataloader(), inv_prop)

@@ -21,6 +21,9 @@ SEED_MAX = 2**32 - 1  # numpy's seeds (np.random.seed, seed_everything) lie in [
 SPARSE_OP_DTYPES = ("float32", "float64")
 SPARSE_OP_AUTOCAST = True
 _SPARSE_OP_HEADS = ("uniform", "mach")  # heads that run the uniform op (MACH decodes through it)
+# Settings with named choices; the code that acts on them takes these tuples from here.
+INITS = ("authors", "fan_in")  # model.init: the authors' Keras initialisation, or torch's nn.Linear bounds
+REWIRE_SCHEDULES = ("authors", "multiples")  # model.rewire_schedule: after steps 1, N+1, ... or N, 2N, ...
 
 
 def positive_int(value, setting: str, example: int | None = None) -> int:
@@ -29,6 +32,13 @@ def positive_int(value, setting: str, example: int | None = None) -> int:
         hint = f"; set e.g. {setting}={example}" if example is not None else ""
         raise ConfigError(f"{setting}={value!r} must be a positive integer{hint}")
     return int(value)
+
+
+def choice(value, setting: str, choices: tuple[str, ...]) -> str:
+    """`value` if it is one of `choices`; ConfigError naming `setting` and the choices else."""
+    if value not in choices:
+        raise ConfigError(f"{setting}={value!r} is unknown; choose one of {', '.join(choices)}")
+    return value
 
 
 def _is_int(value) -> bool:
@@ -127,6 +137,8 @@ def _model(cfg: DictConfig) -> None:
             f"model.intermediate={m.intermediate} must be a positive layer size, or null for no intermediate layer"
         )
     number(cfg, "model.rewire_fraction", low=0, high=1, high_open=True)
+    choice(m.get("init", "authors"), "model.init", INITS)
+    choice(m.get("rewire_schedule", "authors"), "model.rewire_schedule", REWIRE_SCHEDULES)
     # Sizes a head's config sets (conf/model/<head>.yaml), checked before anything loads; one left null fails
     # when the head is built, with the same message.
     for key, example in (("connectivity", 32), ("bottleneck", 64), ("mach.num_hashes", 8), ("mach.num_buckets", 1024)):

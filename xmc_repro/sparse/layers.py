@@ -7,12 +7,13 @@ import warnings
 import torch
 from torch import nn
 
+from xmc_repro.validation import INITS
+
 from .checks import check_layer_sizes
 from .op import uniform_sparse_linear
 from .rewire import (distinct_positions, lowest_magnitude, redraw_sources_, redraw_with_replacement_,
                      sample_uniform_sources)
 
-INITS = ("authors", "fan_in")
 
 
 def _csr(crow, col, values, shape):
