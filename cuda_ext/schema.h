@@ -9,6 +9,7 @@ inline constexpr const char* kSchemas[] = {
     "forward(Tensor x, Tensor indices, Tensor weight, Tensor? bias) -> Tensor",
     "backward_input(Tensor grad_out, Tensor indices, Tensor weight, SymInt in_features) -> Tensor",
     "backward_weight(Tensor grad_out, Tensor x, Tensor indices) -> Tensor",
+    "squared_hinge(Tensor scores, Tensor positives) -> (Tensor, Tensor)",
 };
 
 }  // namespace xmc_sparse

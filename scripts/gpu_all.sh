@@ -1,52 +1,70 @@
 #!/usr/bin/env bash
-# Everything a lent GPU should measure, in one call (run from the repository root; about 8 minutes):
+# Everything a lent GPU should measure, in one call (run from the repository root; about 7 minutes):
 #   bash scripts/gpu_all.sh
 # 1. builds the CPU+CUDA kernels (XMC_SPARSE_BACKEND=compiled: a failed CUDA build is an error here),
-# 2. runs every `cuda`-marked test (all of tests/ when hydra and mlflow import, else the files that need neither),
-# 3. the layer benchmark at the paper's shapes (python -m xmc_repro.bench),
-# 4. the whole-model step, dense beside uniform, full Amazon-670K shapes (python -m xmc_repro.bench --model),
-#    with the device-to-host syncs of one step.
-# Logs and results go to $OUT (results/bench/ is copied there too); a summary is printed last. Each step has its own
-# timeout and a failing step does not stop the next. If hydra/mlflow are missing, carry .whl/ from
-# ../shared/gpu/wheels.sh and they are installed to $HOME/site first.
+# 2. runs every `cuda`-marked test,
+# 3. the whole-model step, dense beside uniform (eager, CUDA graph, Lightning), Amazon-670K shapes,
+# 4. one full epoch of the pipeline at Amazon-670K's shape (uniform, 32k intermediate layer, graph step),
+# 5. the layer benchmark at the headline shape (670,091 labels, 16,384 inputs, 32, batch 32), float32 and bf16 inputs,
+# 6. Bibtex through the pipeline, seed 0, float32 and bf16-mixed (P@k against the CPU runs), if its files are carried
+#    in .gpu_data/Bibtex (XMC_SHARED_DATA).
+# Logs, results and the MLflow store are packed into $OUT/gpu_all.tgz (few files come back); a summary is printed
+# last. Each step has its own timeout, all share a deadline of BUDGET_S seconds, and a failing step does not stop
+# the next. hydra and mlflow: carry .whl/ from ../shared/gpu/wheels.sh.
+# A shorter call: BUDGET_S=240 EPOCH_POINTS=100000 TESTS="tests/test_step_graph.py ..." BIBTEX=0 bash scripts/gpu_all.sh
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-/tmp/xmc_gpu_all}"
-mkdir -p "$OUT" results/bench
+LOGS=/tmp/xmc_gpu_logs
+BUDGET_S=${BUDGET_S:-470}
+mkdir -p "$OUT" "$LOGS" results/bench
 export XMC_SPARSE_CACHE="${XMC_SPARSE_CACHE:-$HOME/.cache/xmc_repro/sparse_ops}"
-export PYTHONUNBUFFERED=1
+export PYTHONUNBUFFERED=1 MLFLOW_TRACKING_URI="sqlite:///$LOGS/gpu_runs.db"
+[ -d .gpu_data ] && export XMC_SHARED_DATA="$PWD/.gpu_data"
 if ! python3 -c "import hydra, mlflow" 2>/dev/null && ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --target "$HOME/site" .whl/*.whl
-  export PYTHONPATH="$HOME/site:$PWD"
 fi
+export PYTHONPATH="$HOME/site:$PWD"
 status=()
-step() {  # step NAME SECONDS CMD...: run with a timeout, log to $OUT/NAME.log, remember the exit code
+step() {  # step NAME SECONDS CMD...: run with a timeout (capped by the deadline), log to $LOGS/NAME.log
   local name=$1 secs=$2; shift 2
+  local left=$((BUDGET_S - SECONDS))
+  if [ "$left" -lt 15 ]; then status+=("$name: skipped, deadline"); return; fi
+  [ "$secs" -gt "$left" ] && secs=$left
   echo "+ [$name] $*"
   local t0=$SECONDS
-  timeout --kill-after=10 "$secs" "$@" > >(tee "$OUT/$name.log") 2>&1
-  local rc=$?
-  status+=("$name: exit $rc after $((SECONDS - t0)) s")
+  timeout --kill-after=10 "$secs" "$@" > >(tee "$LOGS/$name.log" | grep -v -E "INFO|Tip|pytree") 2>&1
+  status+=("$name: exit $? after $((SECONDS - t0)) s")
 }
 
 step env 20 bash -c 'nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader;
   python3 -c "import sys, torch; print(sys.version.split()[0], torch.__version__, torch.version.cuda, torch.cuda.get_device_name(), torch.cuda.get_device_capability())";
-  which nvcc ninja c++; nproc'
-step build 120 env XMC_SPARSE_BACKEND=compiled python3 -c "
+  nproc; git log -1 --format=%h 2>/dev/null'
+step build 150 env XMC_SPARSE_BACKEND=compiled python3 -c "
 import time; t = time.time()
 from xmc_repro.sparse import build, op
 print(op.ensure_registered(), 'archs', build.cuda_archs(), f'first load (compile) {time.time() - t:.0f} s')"
-if python3 -c "import hydra, mlflow" 2>/dev/null; then tests=(tests); else
-  tests=(tests/test_sparse_op.py tests/test_sparse_layers.py tests/test_losses.py tests/test_metrics.py tests/test_mach.py)
+step tests 130 python3 -m pytest -m cuda ${TESTS:-tests} -q -p no:cacheprovider
+step model 120 python3 -m xmc_repro.bench --model --device cuda --out results/bench --steps 50
+step layer 70 python3 -m xmc_repro.bench --device cuda --out results/bench --max-cases ${LAYER_CASES:-2} \
+  --methods uniform,uniform-bf16,csr,dense
+step epoch 170 python3 -m xmc_repro dataset=synthetic_amazon670k dataset.num_train=${EPOCH_POINTS:-490449} \
+  dataset.num_test=10000 trainer.max_epochs=1 \
+  trainer.progress_bar=false trainer.train_eval_max_points=10000 table=gpu_check model=uniform model.intermediate=32768
+if [ -n "${XMC_SHARED_DATA:-}" ] && [ "${BIBTEX:-1}" = 1 ]; then
+  for precision in 32-true bf16-mixed; do
+    step "bibtex-$precision" 60 python3 -m xmc_repro dataset=bibtex model=uniform model.intermediate=1024 seed=0 \
+      trainer.progress_bar=false trainer.precision=$precision table=gpu_check
+  done
 fi
-step tests 100 python3 -m pytest -m cuda "${tests[@]}" -q -p no:cacheprovider
-step bench 130 python3 -m xmc_repro.bench --device cuda --out results/bench --budget-s 90
-step model 110 python3 -m xmc_repro.bench --model --device cuda --out results/bench
-cp -r results/bench "$OUT/" 2>/dev/null
+cp -r results/bench "$LOGS/" 2>/dev/null
+tar czf "$OUT/gpu_all.tgz" -C "$(dirname "$LOGS")" "$(basename "$LOGS")"
 
 echo
 echo "================ summary ================"
 printf '%s\n' "${status[@]}"
-grep -E "passed|failed|error" "$OUT/tests.log" | tail -3
-sed -n '/^case /,$p' "$OUT/bench.log"
-sed -n '/^| model /,$p' "$OUT/model.log"
+grep -E "passed|failed|error" "$LOGS/tests.log" | tail -3
+sed -n '/^| model /,$p' "$LOGS/model.log"
+grep -E "peak GPU|seconds per epoch|test " "$LOGS/epoch.log" | tail -4
+sed -n '/^case /,$p' "$LOGS/layer.log"
+for p in 32-true bf16-mixed; do [ -f "$LOGS/bibtex-$p.log" ] && grep -E "test|seconds per epoch" "$LOGS/bibtex-$p.log" | tail -3; done

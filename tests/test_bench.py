@@ -18,13 +18,18 @@ def test_model_step_benchmark_writes_both_models(tmp_path):
     assert bench.main(["--model", "--device", "cpu", "--scale", "0.0005", "--steps", "2", "--warmup", "0",
                        "--out", str(tmp_path)]) == 0
     (result,) = tmp_path.glob("cpu-model-scale*.json")
-    rows = {r["model"]: r for r in json.loads(result.read_text())["results"]}
-    assert set(rows) == {"dense", "uniform"}
-    assert rows["uniform"]["intermediate"] == 32 and rows["dense"]["labels"] == rows["uniform"]["labels"] == 335
-    for r in rows.values():
-        phases = [r[f"{p}_device_ms"] for p in ("forward", "loss", "backward", "optimizer")]
-        assert all(t > 0 for t in phases) and r["step_ms"] > 0 and r["param_optimizer_gib"] > 0
-    assert "faster than dense" in result.with_suffix(".md").read_text()
+    rows = {(r["model"], r["way"]): r for r in json.loads(result.read_text())["results"]}
+    assert set(rows) == {(m, w) for m in ("dense", "uniform") for w in ("eager", "lightning")}  # no graph on a CPU
+    assert rows["uniform", "eager"]["intermediate"] == 32 and rows["dense", "eager"]["labels"] == 335
+    for (model, way), r in rows.items():
+        assert r["step_ms"] > 0
+        if way == "eager":
+            assert list(r["phases"]) == ["forward", "loss", "backward", "optimizer"]
+            assert all(device_ms > 0 for _, device_ms in r["phases"].values()) and r["param_optimizer_gib"] > 0
+        else:
+            assert r["cuda_graph"] is False
+    text = result.with_suffix(".md").read_text()
+    assert "eager: uniform step" in text and "lightning: uniform step" in text
 
 
 def test_layer_baselines_agree_with_the_reference():

@@ -106,10 +106,12 @@ def test_loss_on_the_gpu_never_waits_for_the_device(name):
     assert scores.grad.shape == scores.shape
 
 
-@pytest.mark.parametrize("fn", [squared_hinge_loss, bce_loss])
-def test_float64_gradcheck(fn):
+def test_float64_gradcheck():
+    # The squared hinge's backward scales its saved gradient in place, so it runs once per graph and
+    # gradcheck (two backward passes over one graph) cannot check it: tests/test_fused_loss.py compares
+    # it with finite differences instead.
     scores, ptr, idx = random_batch(3, b=4, L=6, dtype=torch.float64)
-    assert torch.autograd.gradcheck(lambda s: fn(s, ptr, idx), (scores,))
+    assert torch.autograd.gradcheck(lambda s: bce_loss(s, ptr, idx), (scores,))
 
 
 def test_large_batch_is_summed_in_slices(monkeypatch):

@@ -11,6 +11,10 @@ is also given as a multiple of its bandwidth
 floor: the bytes that must move (indices, weights, inputs and gradients read once, results written
 once; for hinge gradients only the labels with a nonzero gradient need their indices/weights)
 over the device's measured copy bandwidth. Peak memory is what a phase allocates beyond its inputs.
+
+The uniform layer's gathers are served from L2, not DRAM: every (batch row, connection, label) product reads
+its own input value. Its second floor, ``L2 floor``, is those gathered bytes (and the input gradient's atomic
+adds) over a measured L2 bandwidth: a copy between two buffers that fit in L2 together.
 """
 from __future__ import annotations
 
@@ -50,6 +54,8 @@ class Case:
 
 
 ALL = ("uniform", "reference", "csr", "coo", "dense")
+# Not in ALL (CUDA only, on request): our op with bf16 inputs, as bf16-mixed training hands them to it.
+BF16 = "uniform-bf16"
 
 
 def paper_cases() -> list[Case]:
@@ -126,6 +132,29 @@ def copy_bandwidth(device) -> float:
     return 2 * 4 * n / (ms / 1e3)
 
 
+def l2_bandwidth(device) -> float | None:
+    """Copy bandwidth (bytes read + written per second) between two 8 MiB buffers, which stay in L2; None on a CPU."""
+    if device.type != "cuda":
+        return None
+    src = torch.randn((8 << 20) // 4, device=device)
+    dst = torch.empty_like(src)
+
+    def copies():
+        for _ in range(20):
+            dst.copy_(src)
+    return 20 * 2 * src.numel() * 4 / (time_ms(copies, device, warmup=3, repeats=10) / 1e3)
+
+
+def l2_bytes(case: Case, active: float, input_bytes: int = 4) -> dict[str, float]:
+    """Bytes the uniform layer's kernels exchange with L2 beyond ``floor_bytes``: one input value per (batch row,
+    connection, label) product gathered in the forward and the weight gradient (``input_bytes`` each), and one
+    float32 atomically added in the input gradient (only labels with a nonzero gradient in the backward)."""
+    products = case.batch * case.connectivity * case.labels
+    fwd, bwd_in, bwd_w = products * input_bytes, active * products * 4, active * products * input_bytes
+    return {"forward": fwd, "backward_input": bwd_in, "backward_weight": bwd_w, "fwd+bwd": fwd + bwd_in + bwd_w,
+            "step+adam": fwd + bwd_in + bwd_w}
+
+
 def floor_bytes(case: Case, active: float) -> dict[str, float]:
     """Bytes each phase of the uniform layer must move; ``active`` = fraction of labels with any
     nonzero gradient (only those need their indices and weights in the backward)."""
@@ -168,6 +197,16 @@ def build_method(name: str, case: Case, p: dict, device) -> dict:
     """Callables per phase for one method, or {"skip": reason}."""
     x, idx, w, b, g = p["x"], p["idx"], p["w"], p["b"], p["g"]
     wp, bp = torch.nn.Parameter(w.clone()), torch.nn.Parameter(b.clone())
+    if name == BF16:
+        xb = x.bfloat16()
+        ops = torch.ops.xmc_sparse
+        fwd = lambda: ops.forward(xb, idx, w, b)  # noqa: E731
+        bwd_in = lambda: ops.backward_input(g, idx, w, case.inputs)  # noqa: E731
+        bwd_w = lambda: ops.backward_weight(g, xb, idx)  # noqa: E731
+        layer = lambda: sparse_op.uniform_sparse_linear(xb, idx, wp, bp)  # noqa: E731
+        return {"forward": fwd, "backward_input": bwd_in, "backward_weight": bwd_w,
+                "fwd+bwd": lambda: (fwd(), bwd_in(), bwd_w(), g.sum(0)),
+                "step+adam": _step(layer, _adam([wp, bp], device), g)}
     if name in ("uniform", "reference"):
         # The same three kernels, compiled or pure torch; only the compiled op is timed through autograd
         # (the package's one backward), the reference's step being its fwd+bwd plus Adam.
@@ -232,7 +271,7 @@ def build_method(name: str, case: Case, p: dict, device) -> dict:
                 "fwd+bwd": lambda: (fwd(), bwd_in(), bwd_w(), g.sum(0)),
                 "step+adam": _step(lambda: lin(xd), _adam(list(lin.parameters()), device), g),
                 "label": f"dense nn.Linear({inputs}, {case.labels})", "dense_inputs": inputs}
-    raise ValueError(f"unknown method {name!r}; choose from {', '.join(ALL)}")
+    raise ValueError(f"unknown method {name!r}; choose from {', '.join(ALL + (BF16,))}")
 
 
 def make_problem(case: Case, device, seed: int = 0) -> dict:
@@ -252,12 +291,15 @@ def make_problem(case: Case, device, seed: int = 0) -> dict:
 # ---------------------------------------------------------------- running and reporting
 
 
-def run_case(case: Case, device, bandwidth: float, warmup: int, repeats: int, methods: set[str] | None) -> list[dict]:
+def run_case(case: Case, device, bandwidth: float, warmup: int, repeats: int, methods: set[str] | None,
+             l2: float | None = None) -> list[dict]:
     p = make_problem(case, device)
     active = float((p["g"] != 0).any(0).float().mean())
     floors = floor_bytes(case, active)
+    gathers = {"uniform": l2_bytes(case, active), BF16: l2_bytes(case, active, input_bytes=2)}
     rows = []
-    for name in case.methods:
+    extra = (BF16,) if methods and BF16 in methods and device.type == "cuda" else ()
+    for name in case.methods + extra:
         if methods and name not in methods:
             continue
         base = {"case": case.name, **{k: getattr(case, k) for k in ("labels", "inputs", "connectivity", "batch", "grad")},
@@ -285,12 +327,16 @@ def run_case(case: Case, device, bandwidth: float, warmup: int, repeats: int, me
                 torch.cuda.empty_cache()
             if dense_inputs is None:
                 row["floor_ms"] = floors[phase] / bandwidth * 1e3
+                if l2 and name in gathers:
+                    row["l2_floor_ms"] = gathers[name][phase] / l2 * 1e3
             else:  # the dense layer's own floor: its weight (and Adam state) once
                 nbytes = 4 * case.labels * dense_inputs
                 per = {"forward": 1, "backward_input": 1, "backward_weight": 1, "fwd+bwd": 3, "step+adam": 10}[phase]
                 row["floor_ms"] = per * nbytes / bandwidth * 1e3
             if "ms" in row:
                 row["x_floor"] = row["ms"] / row["floor_ms"]
+                if "l2_floor_ms" in row:
+                    row["x_l2_floor"] = row["ms"] / row["l2_floor_ms"]
             rows.append(row)
         del phases
     del p
@@ -299,8 +345,8 @@ def run_case(case: Case, device, bandwidth: float, warmup: int, repeats: int, me
     return rows
 
 
-def machine_info(device, bandwidth: float) -> dict:
-    info = {"date": datetime.datetime.now().isoformat(timespec="seconds"), "torch": torch.__version__,
+def machine_info(device, bandwidth: float, l2: float | None = None) -> dict:
+    info = {"l2_bandwidth_gb_s": l2 / 1e9 if l2 else None, "date": datetime.datetime.now().isoformat(timespec="seconds"), "torch": torch.__version__,
             "cuda": torch.version.cuda, "python": platform.python_version(), "host_cpu": platform.processor() or
             platform.machine(), "cpu_threads": torch.get_num_threads(), "device": device.type,
             "copy_bandwidth_gb_s": bandwidth / 1e9, "sparse_backend": sparse_op.backend(device)}
@@ -330,8 +376,11 @@ def markdown(info: dict, rows: list[dict]) -> str:
     where = info.get("card") or f"CPU: {info['host_cpu']} ({info['cpu_threads']} threads)"
     lines = [f"# Sparse layer benchmark — {where}", "",
              f"torch {info['torch']} (CUDA {info['cuda']}), sparse backend `{info['sparse_backend']}`, "
-             f"measured copy bandwidth {info['copy_bandwidth_gb_s']:.0f} GB/s, {info['date']}.", "",
-             "Times are medians in ms; `x floor` = time / (bytes that must move / copy bandwidth); "
+             f"measured copy bandwidth {info['copy_bandwidth_gb_s']:.0f} GB/s"
+             + (f", L2 copy bandwidth {info['l2_bandwidth_gb_s']:.0f} GB/s" if info.get("l2_bandwidth_gb_s") else "")
+             + f", {info['date']}.", "",
+             "Times are medians in ms; `x floor` = time / (bytes that must move / copy bandwidth); `x L2` = time / "
+             "(bytes gathered from L2 / L2 copy bandwidth), for our op; "
              "`extra GiB` = peak memory allocated beyond the inputs (GPU only). "
              "`hinge` gradients: about 1 % nonzero; `bce`: dense.", ""]
     case = None
@@ -339,15 +388,17 @@ def markdown(info: dict, rows: list[dict]) -> str:
         if r["case"] != case:
             case = r["case"]
             lines += ["", f"## {case}  (labels with a nonzero gradient: {r['labels_active']:.1%})", "",
-                      "| method | phase | ms | floor ms | x floor | extra GiB | note |", "|---|---|---:|---:|---:|---:|---|"]
+                      "| method | phase | ms | floor ms | x floor | L2 floor ms | x L2 | extra GiB | note |",
+                      "|---|---|---:|---:|---:|---:|---:|---:|---|"]
         lines.append(f"| {r['method']} | {r['phase']} | {_fmt(r.get('ms'), '.3f')} | {_fmt(r.get('floor_ms'), '.3f')} | "
-                     f"{_fmt(r.get('x_floor'), '.1f')} | {_fmt(r.get('extra_peak_gib'), '.2f')} | {r.get('note', '')} |")
+                     f"{_fmt(r.get('x_floor'), '.1f')} | {_fmt(r.get('l2_floor_ms'), '.3f')} | "
+                     f"{_fmt(r.get('x_l2_floor'), '.1f')} | {_fmt(r.get('extra_peak_gib'), '.2f')} | {r.get('note', '')} |")
     return "\n".join(lines) + "\n"
 
 
 def summary(rows: list[dict]) -> str:
     """The few numbers the targets are about, as a plain table."""
-    out = [f"{'case':58s} {'method':28s} {'fwd+bwd ms':>10s} {'x floor':>8s} {'step ms':>9s}"]
+    out = [f"{'case':58s} {'method':28s} {'fwd+bwd ms':>10s} {'x floor':>8s} {'x L2':>6s} {'step ms':>9s}"]
     by = {}
     for r in rows:
         if "ms" in r and r["phase"] in ("fwd+bwd", "step+adam"):
@@ -355,7 +406,7 @@ def summary(rows: list[dict]) -> str:
     for (case, method), ph in by.items():
         fb, st = ph.get("fwd+bwd", {}), ph.get("step+adam", {})
         out.append(f"{case:58s} {method:28s} {_fmt(fb.get('ms'), '10.3f'):>10s} {_fmt(fb.get('x_floor'), '8.1f'):>8s} "
-                   f"{_fmt(st.get('ms'), '9.3f'):>9s}")
+                   f"{_fmt(fb.get('x_l2_floor'), '6.1f'):>6s} {_fmt(st.get('ms'), '9.3f'):>9s}")
     return "\n".join(out)
 
 
@@ -389,17 +440,18 @@ def main(argv: list[str] | None = None) -> int:
     methods = set(args.methods.split(",")) if args.methods else None
     warmup = args.warmup if args.warmup is not None else (3 if on_gpu else 1)
     repeats = args.repeats if args.repeats is not None else (10 if on_gpu else 5)
-    bandwidth = copy_bandwidth(device)
-    info = machine_info(device, bandwidth)
+    bandwidth, l2 = copy_bandwidth(device), l2_bandwidth(device)
+    info = machine_info(device, bandwidth, l2)
     print(f"benchmarking on {info.get('card', info['host_cpu'])}: copy bandwidth {bandwidth / 1e9:.0f} GB/s, "
-          f"backend {info['sparse_backend']}", flush=True)
+          + (f"L2 copy bandwidth {l2 / 1e9:.0f} GB/s, " if l2 else "")
+          + f"backend {info['sparse_backend']}", flush=True)
     rows, t0 = [], time.time()
     for case in cases:
         if args.budget_s and time.time() - t0 > args.budget_s:
             print(f"time budget reached, skipping {case.name}", flush=True)
             continue
         print(f"  {case.name} ...", flush=True)
-        rows += run_case(case, device, bandwidth, warmup, repeats, methods)
+        rows += run_case(case, device, bandwidth, warmup, repeats, methods, l2)
     name = slug(info)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

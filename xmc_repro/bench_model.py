@@ -3,20 +3,26 @@
 Both models are the pipeline's ``XMCClassifier`` with its own loss and optimizer (``configure_optimizers``:
 Adam, fused on CUDA), at the paper's Amazon-670K shapes: uniform = 768 -> 32,768 -> 32 per label -> 670,091
 labels, dense = 768 -> 670,091; batch 32, 5 labels per point. ``--scale`` shrinks the labels and the
-intermediate layer (a CPU runs 0.02 in about a minute). A step runs as Lightning runs it, without Lightning:
-forward, loss, backward, optimizer step, gradients freed. Rewiring and evaluation are outside the step.
+intermediate layer (a CPU runs 0.02 in about a minute). Rewiring and evaluation are outside the step.
 
-Reported per model:
-* ``step ms``: wall time per step of a plain loop (one sync at the end);
-* per phase (forward, loss, backward, optimizer): ``host ms`` = time to issue it, ``device ms`` = its span on
-  the device (CUDA events; on a CPU both are the same synchronous time);
-* ``host overhead ms`` = step ms minus the phases' device time: time the device is not working on the step
-  (Python, the loop, launches the device waits for);
+Each model is timed three ways, in one run on one device:
+* ``eager``: a plain loop, as Lightning runs a step but without Lightning: forward, loss, backward, optimizer
+  step, gradients freed;
+* ``graph`` (CUDA only): the pipeline's CUDA-graph step (``xmc_repro.step_graph``): positives built eagerly,
+  forward + loss + backward replayed as one graph, then fused Adam;
+* ``lightning``: the pipeline's own loop, ``Trainer.fit`` over pinned in-memory batches (no logger, checkpoint,
+  validation or progress bar), with the model's default step (the graph on CUDA).
+
+Reported per model and way:
+* ``step ms``: wall time per step (one sync at the end);
+* per phase: ``host ms`` = time to issue it, ``device ms`` = its span on the device (CUDA events; on a CPU both
+  are the same synchronous time); ``host overhead ms`` = step ms minus the phases' device time;
 * memory: peak allocated during the steps (GPU); parameter + optimizer state bytes (CPU);
 * on a GPU, ``syncs_per_step``: where a step makes the host wait for the device (should be empty).
 """
 from __future__ import annotations
 
+import gc
 import json
 import os
 import time
@@ -27,9 +33,6 @@ from pathlib import Path
 import torch
 
 from xmc_repro.bench import GIB
-
-PHASES = ("forward", "loss", "backward", "optimizer")
-
 
 @dataclass(frozen=True)
 class ModelShape:
@@ -101,18 +104,20 @@ def _state_bytes(model, optimizer) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
 
 
-def measure(shape: ModelShape, device, steps: int, warmup: int) -> dict:
+def _model(shape: ModelShape, device, **settings):
     from xmc_repro.model import XMCClassifier
 
     if device.type == "cuda":
+        gc.collect()  # the previous model (a graph holds it in a cycle)
         torch.cuda.empty_cache()
     torch.manual_seed(0)
     model = XMCClassifier(shape.features, shape.labels, head=shape.head, connectivity=shape.connectivity,
-                          intermediate=shape.intermediate).to(device)
+                          intermediate=shape.intermediate, **settings).to(device)
     model.train()
-    optimizer = model.configure_optimizers()["optimizer"]
-    x, ptr, idx = _batch(shape, device)
+    return model
 
+
+def _eager_step(model, optimizer, x, ptr, idx):
     def step(clock: _Clock | None = None):
         mark = clock.mark if clock else (lambda: None)
         mark()
@@ -125,38 +130,128 @@ def measure(shape: ModelShape, device, steps: int, warmup: int) -> dict:
         optimizer.step()
         model.zero_grad(set_to_none=True)
         mark()
+    return step, ("forward", "loss", "backward", "optimizer")
 
-    for _ in range(warmup):
+
+def _graph_step(model, optimizer, x, ptr, idx):
+    from xmc_repro.losses import positive_positions
+    from xmc_repro.step_graph import StepGraph, loss_from_positions
+
+    graph = StepGraph(model, loss_from_positions(model.loss_fn))
+
+    def step(clock: _Clock | None = None):
+        mark = clock.mark if clock else (lambda: None)
+        mark()
+        positives = positive_positions(ptr, idx, model.hparams.num_labels, x.device)
+        mark()
+        graph.step(x, positives)
+        graph.attach_grads()
+        mark()
+        optimizer.step()
+        model.zero_grad(set_to_none=True)
+        mark()
+    return step, ("positives", "forward+loss+backward", "optimizer")
+
+
+def measure(shape: ModelShape, device, steps: int, warmup: int, way: str = "eager") -> dict:
+    """One model's step, timed the ``eager`` or the ``graph`` way."""
+    model = _model(shape, device)
+    optimizer = model.configure_optimizers()["optimizer"]
+    x, ptr, idx = _batch(shape, device)
+    step, phases = (_graph_step if way == "graph" else _eager_step)(model, optimizer, x, ptr, idx)
+    if device.type == "cuda":  # the peak includes the warm-up: the graph's capture is its first step
+        torch.cuda.reset_peak_memory_stats(device)
+    for _ in range(warmup + (1 if way == "graph" else 0)):
         step()
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     sync()
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
     start = time.perf_counter()
     for _ in range(steps):
         step()
     sync()
     step_ms = (time.perf_counter() - start) * 1e3 / steps
-    host, dev = [[] for _ in PHASES], [[] for _ in PHASES]
+    host, dev = [[] for _ in phases], [[] for _ in phases]
     for _ in range(steps):
         clock = _Clock(device)
         step(clock)
         h, d = clock.spans()
-        for i in range(len(PHASES)):
+        for i in range(len(phases)):
             host[i].append(h[i])
             dev[i].append(d[i])
     median = lambda v: sorted(v)[len(v) // 2]  # noqa: E731
-    row = {"model": shape.name, "head": shape.head, "features": shape.features, "labels": shape.labels,
-           "intermediate": shape.intermediate, "connectivity": shape.connectivity if shape.head == "uniform" else None,
-           "batch": shape.batch, "parameters": sum(p.numel() for p in model.parameters()), "step_ms": step_ms}
-    for i, phase in enumerate(PHASES):
-        row[f"{phase}_host_ms"], row[f"{phase}_device_ms"] = median(host[i]), median(dev[i])
-    row["host_overhead_ms"] = max(0.0, step_ms - sum(row[f"{p}_device_ms"] for p in PHASES))
+    row = _row(shape, model, way, step_ms)
+    row["phases"] = {phase: [median(host[i]), median(dev[i])] for i, phase in enumerate(phases)}
+    row["host_overhead_ms"] = max(0.0, step_ms - sum(d for _, d in row["phases"].values()))
     if device.type == "cuda":
         row["peak_gib"] = torch.cuda.max_memory_allocated(device) / GIB
         row["syncs_per_step"] = device_syncs(step)
     row["param_optimizer_gib"] = _state_bytes(model, optimizer) / GIB
-    del model, optimizer
+    return row
+
+
+def _row(shape: ModelShape, model, way: str, step_ms: float) -> dict:
+    return {"model": shape.name, "way": way, "head": shape.head, "features": shape.features, "labels": shape.labels,
+            "intermediate": shape.intermediate,
+            "connectivity": shape.connectivity if shape.head == "uniform" else None, "batch": shape.batch,
+            "parameters": sum(p.numel() for p in model.parameters()), "step_ms": step_ms}
+
+
+def measure_lightning(shape: ModelShape, device, steps: int, warmup: int) -> dict:
+    """Wall time per step of ``Trainer.fit`` with the pipeline's module (its default step), and its syncs."""
+    import lightning.pytorch as pl
+    from torch.utils.data import DataLoader
+
+    from xmc_repro.model import XMCClassifier
+
+    class Module(XMCClassifier):
+        def configure_optimizers(self):  # no validation here, so no plateau scheduler
+            return super().configure_optimizers()["optimizer"]
+
+    cuda = device.type == "cuda"
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+
+    class Clock(pl.Callback):
+        syncs: list[str] = []
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            if batch_idx == warmup - 1:
+                sync()
+                self.start = time.perf_counter()
+                if cuda:  # from here to the next batch's end: the data transfer, every hook and the step
+                    self.watch = warnings.catch_warnings(record=True)
+                    self.caught = self.watch.__enter__()
+                    warnings.simplefilter("always")
+                    torch.cuda.set_sync_debug_mode("warn")
+            elif batch_idx == warmup and cuda:
+                torch.cuda.set_sync_debug_mode("default")
+                self.watch.__exit__(None, None, None)
+                self.syncs = [f"{w.filename}:{w.lineno}" for w in self.caught if "synchroniz" in str(w.message)]
+
+        def on_train_end(self, trainer, pl_module):
+            sync()
+            self.end = time.perf_counter()
+
+    torch.manual_seed(0)
+    model = Module(shape.features, shape.labels, head=shape.head, connectivity=shape.connectivity,
+                   intermediate=shape.intermediate)
+    batches = [_batch(shape, torch.device("cpu"), seed=i) for i in range(warmup + steps)]
+    loader = DataLoader(batches, batch_size=None, pin_memory=cuda)
+    clock = Clock()
+    trainer = pl.Trainer(accelerator=device.type, devices=1, max_steps=warmup + steps, logger=False,
+                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                         limit_val_batches=0, num_sanity_val_steps=0, callbacks=[clock])
+    if cuda:
+        gc.collect()
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # Lightning's advice on workers and logging
+        trainer.fit(model, train_dataloaders=loader)
+    row = _row(shape, model, "lightning", (clock.end - clock.start) * 1e3 / steps)
+    row["cuda_graph"] = model._step_graph is not None
+    if cuda:
+        row["peak_gib"] = torch.cuda.max_memory_allocated(device) / GIB
+        row["syncs_per_step"] = clock.syncs
     return row
 
 
@@ -166,25 +261,33 @@ def markdown(info: dict, rows: list[dict], scale: float) -> str:
              f"torch {info['torch']} (CUDA {info['cuda']}), sparse backend `{info['sparse_backend']}`, {info['date']}"
              + (f", load average {info['load_average_1min']} during the run" if "load_average_1min" in info else "")
              + ". "
-             f"Amazon-670K's shapes scaled by {scale:g}; batch 32. Medians in ms; `host` = time to issue a phase, "
-             "`device` = its span on the device; `overhead` = step minus the phases' device time.", "",
-             "| model | labels | intermediate | parameters | step ms | forward host/device | loss host/device | "
-             "backward host/device | optimizer host/device | overhead ms | peak GiB | params+Adam GiB |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             f"Amazon-670K's shapes scaled by {scale:g}; batch 32. Medians in ms; per phase `host / device` = time "
+             "to issue it / its span on the device; `overhead` = step minus the phases' device time.", "",
+             "| model | way | labels | intermediate | parameters | step ms | phases: host / device ms | overhead ms "
+             "| peak GiB | params+Adam GiB |",
+             "|---|---|---:|---:|---:|---:|---|---:|---:|---:|"]
     for r in rows:
-        phases = " | ".join(f"{r[f'{p}_host_ms']:.3f} / {r[f'{p}_device_ms']:.3f}" for p in PHASES)
-        peak = f"{r['peak_gib']:.3f}" if "peak_gib" in r else ""
-        lines.append(f"| {r['model']} | {r['labels']:,} | {r['intermediate'] or ''} | {r['parameters'] / 1e6:.1f}M | "
-                     f"{r['step_ms']:.3f} | {phases} | {r['host_overhead_ms']:.3f} | {peak} | "
-                     f"{r['param_optimizer_gib']:.3f} |")
+        phases = "; ".join(f"{p} {h:.3f} / {d:.3f}" for p, (h, d) in r.get("phases", {}).items())
+        if r["way"] == "lightning":
+            phases = "Trainer.fit" + (", CUDA graph" if r.get("cuda_graph") else ", eager")
+        fmt = lambda key: f"{r[key]:.3f}" if key in r else ""  # noqa: E731
+        lines.append(f"| {r['model']} | {r['way']} | {r['labels']:,} | {r['intermediate'] or ''} | "
+                     f"{r['parameters'] / 1e6:.1f}M | {r['step_ms']:.3f} | {phases} | {fmt('host_overhead_ms')} | "
+                     f"{fmt('peak_gib')} | {fmt('param_optimizer_gib')} |")
     for r in rows:
         if "syncs_per_step" in r:
             where = ", ".join(sorted(set(r["syncs_per_step"]))) or "none"
-            lines.append(f"\n{r['model']}: {len(r['syncs_per_step'])} device-to-host syncs per step ({where}).")
-    by = {r["model"]: r for r in rows}
-    if "dense" in by and "uniform" in by:
-        lines += ["", f"Uniform step {by['dense']['step_ms'] / by['uniform']['step_ms']:.2f}x faster than dense "
-                      "(same run, same device)."]
+            lines.append(f"\n{r['model']} ({r['way']}): {len(r['syncs_per_step'])} device-to-host syncs per step "
+                         f"({where}).")
+    by = {(r["model"], r["way"]): r["step_ms"] for r in rows}
+    lines.append("")
+    for way in ("eager", "graph", "lightning"):
+        if ("dense", way) in by and ("uniform", way) in by:
+            lines.append(f"- {way}: uniform step {by['dense', way] / by['uniform', way]:.2f}x faster than dense "
+                         "(same run, same device).")
+    if ("dense", "eager") in by and ("uniform", "graph") in by:
+        lines.append(f"- uniform graph step vs dense eager step (the pipeline's steps before this change): "
+                     f"{by['dense', 'eager'] / by['uniform', 'graph']:.2f}x.")
     return "\n".join(lines) + "\n"
 
 
@@ -196,9 +299,15 @@ def run(device, scale: float, steps: int, warmup: int, out: Path) -> int:
         info["load_average_1min"] = round(os.getloadavg()[0], 2)
     print(f"model step on {info.get('card', info['host_cpu'])}, scale {scale:g}", flush=True)
     rows = []
+    ways = ("eager", "graph", "lightning") if device.type == "cuda" else ("eager", "lightning")
     for shape in paper_models(scale):
-        print(f"  {shape.name}: {shape.features} -> {shape.intermediate or '-'} -> {shape.labels} ...", flush=True)
-        rows.append(measure(shape, device, steps, warmup))
+        for way in ways:
+            print(f"  {shape.name}, {way}: {shape.features} -> {shape.intermediate or '-'} -> {shape.labels} ...",
+                  flush=True)
+            if way == "lightning":
+                rows.append(measure_lightning(shape, device, steps, max(warmup, 2)))
+            else:
+                rows.append(measure(shape, device, steps, warmup, way))
     name = f"{slug(info)}-model" + ("" if scale == 1 else f"-scale{scale:g}")
     out.mkdir(parents=True, exist_ok=True)
     (out / f"{name}.json").write_text(json.dumps({"machine": info, "scale": scale, "results": rows}, indent=1) + "\n")

@@ -4,15 +4,17 @@
 * BCE with logits ``softplus(s) - y s``.
 
 Both are written as "every label negative" plus a correction at the few positive entries, inside a
-custom autograd function: the (batch, labels) target never exists, forward keeps only the scores, and
-backward allocates one (batch, labels) tensor, the gradient itself. That matters at 670k labels,
-where each such tensor is ~86 MB per 32 points.
+custom autograd function, so the (batch, labels) target never exists. That matters at 670k labels,
+where each such tensor is ~86 MB per 32 points. The squared hinge is one fused op
+(``xmc_sparse::squared_hinge``) that writes the gradient while it sums the loss and keeps only the
+gradient; BCE keeps the scores and allocates its gradient, one (batch, labels) tensor, in backward.
 """
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch.autograd.function import once_differentiable
 
 from xmc_repro.data.labels import flat_keys
 
@@ -60,25 +62,27 @@ def _rowwise_sum(scores: torch.Tensor, fn) -> torch.Tensor:
 
 
 class _SquaredHinge(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, scores, positives):
-        s_pos = scores.reshape(-1)[positives].to(_acc(scores))
-        total = _rowwise_sum(scores, lambda s: (s + 1).clamp_(min=0).square_())
-        correction = (1 - s_pos).clamp(min=0).square() - (1 + s_pos).clamp(min=0).square()
-        total = total + correction.where(first_occurrences(positives), 0).sum()
-        # Backward writes the same value at a repeated position: no need to drop repeats there.
-        ctx.save_for_backward(scores, positives)
-        return total / scores.numel()
+    """The fused op computes the loss and its gradient in one pass; only the gradient is kept, so the
+    scores can be freed as soon as the loss is taken."""
 
     @staticmethod
+    def forward(ctx, scores, positives):
+        from xmc_repro.sparse.op import ensure_registered
+
+        ensure_registered()
+        # bf16/fp16 scores (a dense head under autocast) are computed in float32.
+        work = scores if scores.dtype in (torch.float32, torch.float64) else scores.float()
+        loss, grad = torch.ops.xmc_sparse.squared_hinge(work, positives)
+        ctx.save_for_backward(grad.to(scores.dtype))
+        return loss
+
+    @staticmethod
+    @once_differentiable
     def backward(ctx, grad_out):
-        scores, positives = ctx.saved_tensors
-        scale = grad_out * (2.0 / scores.numel())
-        grad = (scores + 1).clamp_(min=0).mul_(scale.to(scores.dtype))  # every entry as a negative
-        flat = grad.view(-1)
-        s_pos = scores.reshape(-1)[positives]
-        flat[positives] = ((1 - s_pos).clamp(min=0) * -scale).to(grad.dtype)
-        return grad, None
+        (grad,) = ctx.saved_tensors
+        # Scaled in place: the saved gradient has no other reader, so no second (B, L) tensor is
+        # allocated. A second backward through a retained graph fails autograd's version check.
+        return grad.mul_(grad_out), None
 
 
 class _BCE(torch.autograd.Function):
@@ -99,17 +103,34 @@ class _BCE(torch.autograd.Function):
         return grad, None
 
 
+def squared_hinge_from_positions(scores: torch.Tensor, positives: torch.Tensor) -> torch.Tensor:
+    """mean over batch and labels of ``relu(1 - (2y - 1) s)^2`` with y = 1 at the flat positions
+    ``row * L + label`` in ``positives`` (any order; a repeat counts once; entries < 0 are padding, so a
+    fixed-capacity list works, e.g. in a CUDA graph). Scores (B, L); bf16/fp16 scores give a float32 loss."""
+    # The flat positions index a row-major layout (a transposed sparse product is not one).
+    return _SquaredHinge.apply(scores.contiguous(), positives.to(scores.device, torch.long))
+
+
 def squared_hinge_loss(scores: torch.Tensor, label_ptr: torch.Tensor, label_idx: torch.Tensor) -> torch.Tensor:
     """mean over batch and labels of ``relu(1 - (2y - 1) s)^2``; scores (B, L), labels as CSR lists."""
-    positives = positive_positions(label_ptr, label_idx, scores.shape[1], scores.device)
-    # The flat positions index a row-major layout (a transposed sparse product is not one).
-    return _SquaredHinge.apply(scores.contiguous(), positives)
+    # The fused op needs neither sorted nor distinct positions: the unsorted keys spare a sort.
+    positives = flat_keys(label_ptr, label_idx.to(scores.device), scores.shape[1])
+    return squared_hinge_from_positions(scores, positives)
+
+
+def bce_from_positions(scores: torch.Tensor, positives: torch.Tensor) -> torch.Tensor:
+    """``bce_loss`` given the SORTED flat positive positions (repeats allowed and counted once; no padding)."""
+    return _BCE.apply(scores.contiguous(), positives)
 
 
 def bce_loss(scores: torch.Tensor, label_ptr: torch.Tensor, label_idx: torch.Tensor) -> torch.Tensor:
     """mean over batch and labels of binary cross-entropy with logits; scores (B, L), labels as CSR lists."""
-    positives = positive_positions(label_ptr, label_idx, scores.shape[1], scores.device)
-    return _BCE.apply(scores.contiguous(), positives)
+    return bce_from_positions(scores, positive_positions(label_ptr, label_idx, scores.shape[1], scores.device))
+
+
+# The form a CUDA-graph step calls with a fixed-size list (xmc_repro.step_graph: sorted, padded with repeats).
+squared_hinge_loss.from_positions = squared_hinge_from_positions
+bce_loss.from_positions = bce_from_positions
 
 
 class NonFiniteLossWatch:

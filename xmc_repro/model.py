@@ -11,10 +11,13 @@ from hydra.utils import get_object, instantiate
 from omegaconf import OmegaConf
 from torch import nn
 
+from lightning.pytorch.utilities import rank_zero_warn
+
 from xmc_repro.errors import ConfigError
-from xmc_repro.losses import NonFiniteLossWatch
+from xmc_repro.losses import NonFiniteLossWatch, positive_positions
 from xmc_repro.metrics import XMCMetrics
 from xmc_repro.resources import resource_dir
+from xmc_repro.step_graph import CaptureError, StepGraph, loss_from_positions, unsupported_reason
 from xmc_repro.validation import INITS, choice, positive_int
 
 
@@ -114,11 +117,14 @@ class XMCClassifier(pl.LightningModule):
         lr_patience: int = 2,
         lr_threshold: float = 1e-3,
         min_lr: float = 1e-4,
+        cuda_graph: bool = True,
         inv_propensity=None,
         **head_settings,
     ):
         """`head` names conf/model/<head>.yaml; `head_settings` override its settings (`connectivity=64`), or
-        with `_target_` are the whole model config. `loss` names conf/loss/<loss>.yaml or is a loss config."""
+        with `_target_` are the whole model config. `loss` names conf/loss/<loss>.yaml or is a loss config.
+        `cuda_graph`: on a CUDA device, replay the training step's forward, loss and backward as one CUDA graph
+        where the model allows it (`xmc_repro.step_graph`); elsewhere it changes nothing."""
         super().__init__()
         choice(init, "model.init", INITS)  # every layer reads it, the dense ones only when it is "authors"
         self.save_hyperparameters(ignore=["inv_propensity"])
@@ -136,6 +142,9 @@ class XMCClassifier(pl.LightningModule):
         # Checked at once on a CPU; on a GPU read every 50 steps and at an epoch's last batch (no per-step
         # sync), so the run may stop up to 49 steps after the bad one -- the message names the bad step.
         self._loss_watch = NonFiniteLossWatch(every=50)
+        self._step_graph = None  # StepGraph, made at the first training step where one is possible
+        self._graph_off: str | None = None if cuda_graph else "trainer.cuda_graph=false"
+        self._grads_in_graph = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Label scores. A head whose outputs are not label scores (MACH's meta-scores) decodes them: `decode`."""
@@ -145,11 +154,22 @@ class XMCClassifier(pl.LightningModule):
 
     def training_step(self, batch, batch_idx):
         x, label_ptr, label_idx = batch
-        scores = self.head(self.encoder(x))
-        targets = getattr(self.head, "meta_labels", None)
-        if targets is not None:  # a head trained on other targets than the labels (MACH: hashed labels)
-            label_ptr, label_idx = targets(label_ptr, label_idx)
-        loss = self.loss_fn(scores, label_ptr, label_idx)
+        graph = self._graph()
+        loss = None
+        if graph is not None and label_idx.numel() > 0:
+            positives = positive_positions(label_ptr, label_idx, self.hparams.num_labels, x.device)
+            try:
+                loss = graph.step(x, positives)
+                self._grads_in_graph = True  # `backward` attaches them (Lightning clears .grad in between)
+            except CaptureError as error:  # train on, eagerly: slower, same result
+                self._step_graph, self._graph_off = None, str(error)
+                rank_zero_warn(f"the training step runs eagerly: its CUDA graph capture failed ({error})")
+        if loss is None:
+            scores = self.head(self.encoder(x))
+            targets = getattr(self.head, "meta_labels", None)
+            if targets is not None:  # a head trained on other targets than the labels (MACH: hashed labels)
+                label_ptr, label_idx = targets(label_ptr, label_idx)
+            loss = self.loss_fn(scores, label_ptr, label_idx)
         last = self._trainer is not None and self.trainer.is_last_batch
         bad = self._loss_watch.update(loss, self.global_step, flush=last)
         if bad is not None:
@@ -159,6 +179,24 @@ class XMCClassifier(pl.LightningModule):
             )
         self.log("train/loss", loss, prog_bar=True, on_step=True, on_epoch=True, batch_size=x.shape[0])
         return loss
+
+    def _graph(self):
+        """The step graph when this run can use one (decided at the first training step), else None."""
+        if self._step_graph is None and self._graph_off is None:
+            trainer = self._trainer
+            self._graph_off = unsupported_reason(
+                self, trainer.precision if trainer is not None else "32-true",
+                trainer.world_size if trainer is not None else 1)
+            if self._graph_off is None:
+                self._step_graph = StepGraph(self, loss_from_positions(self.loss_fn))
+        return self._step_graph
+
+    def backward(self, loss, *args, **kwargs):
+        if self._grads_in_graph:  # the graph ran backward already
+            self._grads_in_graph = False
+            self._step_graph.attach_grads()
+            return
+        super().backward(loss, *args, **kwargs)
 
     def validation_step(self, batch, batch_idx):
         x, label_ptr, label_idx = batch

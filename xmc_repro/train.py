@@ -95,6 +95,7 @@ def build_model(cfg: DictConfig, dm) -> XMCClassifier:
         lr_patience=t.lr_patience,
         lr_threshold=t.lr_threshold,
         min_lr=t.min_lr,
+        cuda_graph=bool(t.get("cuda_graph", True)),
         inv_propensity=inv_prop,
     )
 
@@ -213,6 +214,8 @@ def _fit_and_test(cfg, tracker, checkpoint_dir: Path, resume_from: Path | None, 
         seed=int(cfg.seed),
         validate_on=cfg.validate_on,
         eval_batch_size=int(cfg.trainer.eval_batch_size),
+        # Pinned batches copy to the GPU without waiting for it; from pageable memory each copy syncs the host.
+        pin_memory=torch.cuda.is_available() and str(cfg.trainer.accelerator) in ("auto", "gpu", "cuda"),
     )
     dm.setup("fit")
     if tracker is not None:

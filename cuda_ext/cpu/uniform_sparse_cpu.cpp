@@ -132,6 +132,7 @@ void backward_weight_cpu_kernel(const T* g, const T* xc, const int32_t* idx, T* 
 at::Tensor forward_cpu(const at::Tensor& x, const at::Tensor& indices, const at::Tensor& weight,
                        const std::optional<at::Tensor>& bias) {
   check_forward(x, indices, weight, bias);
+  TORCH_CHECK(x.scalar_type() != at::kBFloat16, "bf16 inputs are gathered by the CUDA kernels only; call x.float()");
   const int64_t batch = x.size(0), conn = indices.size(0), labels = indices.size(1);
   auto out = x.new_empty({batch, labels});
   if (batch == 0) return out;
@@ -162,6 +163,7 @@ at::Tensor backward_input_cpu(const at::Tensor& grad_out, const at::Tensor& indi
 
 at::Tensor backward_weight_cpu(const at::Tensor& grad_out, const at::Tensor& x, const at::Tensor& indices) {
   check_backward_weight(grad_out, x, indices);
+  TORCH_CHECK(x.scalar_type() != at::kBFloat16, "bf16 inputs are gathered by the CUDA kernels only; call x.float()");
   const int64_t batch = grad_out.size(0), conn = indices.size(0), labels = indices.size(1);
   auto grad_w = grad_out.new_empty({conn, labels});
   if (batch == 0) return grad_w.zero_();

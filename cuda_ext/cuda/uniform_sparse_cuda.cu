@@ -3,12 +3,16 @@
 // One thread per label j. Consecutive threads take consecutive labels, so every load of
 // indices[k, j], weight[k, j], grad_out[b, j] and every store of out[b, j] / grad_w[k, j] is
 // coalesced over a warp. The inputs are used transposed and zero-padded, xt (in_features, bpad),
-// so one connection's gather reads the whole batch chunk as contiguous 16-byte vectors.
+// so one connection's gather reads the whole batch chunk as contiguous 8- or 16-byte vectors.
+// The gathers are served from L2 (xt is small) and bound the forward and the weight gradient: bf16
+// inputs (bf16-mixed training) are gathered as bf16, half the bytes, and accumulated in float32.
 #include <ATen/Dispatch.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 #include <torch/library.h>
+
+#include <type_traits>
 
 #include "../checks.h"
 
@@ -20,19 +24,25 @@ constexpr int kThreads = 128;
 // The backward kernels measured faster without this (fewer registers, higher occupancy).
 constexpr int kUnroll = 4;
 
-// Four consecutive values (16-byte aligned for float, 32 for double).
-template <typename T>
-__device__ __forceinline__ void load4(const T* p, T (&v)[4]);
-template <>
-__device__ __forceinline__ void load4<float>(const float* p, float (&v)[4]) {
+// A bf16 input value as stored (its upper 16 bits are the float32's).
+struct Bf16 {
+  uint16_t bits;
+};
+
+// Four consecutive inputs, converted to the accumulation type (aligned to 4 values: bpad is a multiple of 4).
+__device__ __forceinline__ void load4(const float* p, float (&v)[4]) {
   const float4 q = __ldg(reinterpret_cast<const float4*>(p));
   v[0] = q.x; v[1] = q.y; v[2] = q.z; v[3] = q.w;
 }
-template <>
-__device__ __forceinline__ void load4<double>(const double* p, double (&v)[4]) {
+__device__ __forceinline__ void load4(const double* p, double (&v)[4]) {
   const double2 a = __ldg(reinterpret_cast<const double2*>(p));
   const double2 b = __ldg(reinterpret_cast<const double2*>(p) + 1);
   v[0] = a.x; v[1] = a.y; v[2] = b.x; v[3] = b.y;
+}
+__device__ __forceinline__ void load4(const Bf16* p, float (&v)[4]) {
+  const uint2 q = __ldg(reinterpret_cast<const uint2*>(p));  // little endian: the first value is the low half
+  v[0] = __uint_as_float(q.x << 16); v[1] = __uint_as_float(q.x & 0xffff0000u);
+  v[2] = __uint_as_float(q.y << 16); v[3] = __uint_as_float(q.y & 0xffff0000u);
 }
 
 // p[0..3] += v[0..3] atomically; one vector atomic on sm_90+ when several lanes are nonzero.
@@ -70,9 +80,9 @@ __device__ __forceinline__ unsigned load_grad(const T* __restrict__ g, int64_t l
   return mask;
 }
 
-template <typename T, int V>
+template <typename T, typename TX, int V>
 __global__ void __launch_bounds__(kThreads) forward_kernel(
-    const T* __restrict__ xt, const int32_t* __restrict__ idx, const T* __restrict__ w,
+    const TX* __restrict__ xt, const int32_t* __restrict__ idx, const T* __restrict__ w,
     const T* __restrict__ bias, T* __restrict__ out, int batch, int bpad, int conn, int labels) {
   const int j = blockIdx.x * kThreads + threadIdx.x;
   if (j >= labels) return;
@@ -93,7 +103,7 @@ __global__ void __launch_bounds__(kThreads) forward_kernel(
       }
 #pragma unroll
       for (int u = 0; u < kUnroll; ++u) {
-        const T* xr = xt + static_cast<int64_t>(src[u]) * bpad + c0;
+        const TX* xr = xt + static_cast<int64_t>(src[u]) * bpad + c0;
 #pragma unroll
         for (int v = 0; v < V; ++v) {
           T q[4];
@@ -138,9 +148,9 @@ __global__ void __launch_bounds__(kThreads) backward_input_kernel(
 
 // grad_w[k, j] = sum_b grad_out[b, j] * xt[indices[k, j], b]. A label whose gradient column is all
 // zero writes zeros without loading indices or inputs; zero 4-row groups skip their input loads.
-template <typename T, int V>
+template <typename T, typename TX, int V>
 __global__ void __launch_bounds__(kThreads) backward_weight_kernel(
-    const T* __restrict__ g, const T* __restrict__ xt, const int32_t* __restrict__ idx, T* __restrict__ gw,
+    const T* __restrict__ g, const TX* __restrict__ xt, const int32_t* __restrict__ idx, T* __restrict__ gw,
     int batch, int bpad, int conn, int labels) {
   const int j = blockIdx.x * kThreads + threadIdx.x;
   if (j >= labels) return;
@@ -151,7 +161,7 @@ __global__ void __launch_bounds__(kThreads) backward_weight_kernel(
     if (!mask) continue;
     for (int k = 0; k < conn; ++k) {
       const int64_t at = static_cast<int64_t>(k) * labels + j;
-      const T* xr = xt + static_cast<int64_t>(__ldg(idx + at)) * bpad + c0;
+      const TX* xr = xt + static_cast<int64_t>(__ldg(idx + at)) * bpad + c0;
       T acc = T(0);
 #pragma unroll
       for (int v = 0; v < V; ++v) {
@@ -192,6 +202,23 @@ void with_v(int v, F&& f) {
   }
 }
 
+// f(T{}, TX{}): the accumulation/weight type and the input type (bf16 inputs only with float32 weights).
+template <typename F>
+void with_types(const at::Tensor& x, const at::Tensor& weight, F&& f) {
+  AT_DISPATCH_FLOATING_TYPES(weight.scalar_type(), "uniform_sparse_cuda", [&] {
+    if (x.scalar_type() == at::kBFloat16) {
+      if constexpr (std::is_same_v<scalar_t, float>) f(float{}, Bf16{});
+    } else {
+      f(scalar_t{}, scalar_t{});
+    }
+  });
+}
+
+template <typename TX>
+const TX* data_as(const at::Tensor& t) {
+  return reinterpret_cast<const TX*>(t.const_data_ptr());
+}
+
 unsigned blocks_for(int64_t labels) { return static_cast<unsigned>((labels + kThreads - 1) / kThreads); }
 
 at::Tensor forward_cuda(const at::Tensor& x, const at::Tensor& indices, const at::Tensor& weight,
@@ -199,18 +226,20 @@ at::Tensor forward_cuda(const at::Tensor& x, const at::Tensor& indices, const at
   check_forward(x, indices, weight, bias);
   const c10::cuda::CUDAGuard guard(x.device());
   const int64_t batch = x.size(0), conn = indices.size(0), labels = indices.size(1);
-  auto out = x.new_empty({batch, labels});
+  auto out = weight.new_empty({batch, labels});
   if (batch == 0) return out;
   const int v = pick_v(batch);
   const int64_t bpad = padded(batch, v);
   const auto xt = transpose_padded(x, bpad);
   const auto stream = c10::cuda::getCurrentCUDAStream();
-  AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "uniform_sparse_forward_cuda", [&] {
+  with_types(x, weight, [&](auto t, auto tx) {
+    using T = decltype(t);
+    using TX = decltype(tx);
     with_v(v, [&](auto vc) {
-      forward_kernel<scalar_t, decltype(vc)::value><<<blocks_for(labels), kThreads, 0, stream>>>(
-          xt.const_data_ptr<scalar_t>(), indices.const_data_ptr<int32_t>(), weight.const_data_ptr<scalar_t>(),
-          bias.has_value() ? bias->const_data_ptr<scalar_t>() : nullptr, out.mutable_data_ptr<scalar_t>(),
-          batch, bpad, conn, labels);
+      forward_kernel<T, TX, decltype(vc)::value><<<blocks_for(labels), kThreads, 0, stream>>>(
+          data_as<TX>(xt), indices.const_data_ptr<int32_t>(), weight.const_data_ptr<T>(),
+          bias.has_value() ? bias->const_data_ptr<T>() : nullptr, out.mutable_data_ptr<T>(), batch, bpad, conn,
+          labels);
       C10_CUDA_KERNEL_LAUNCH_CHECK();
     });
   });
@@ -248,11 +277,13 @@ at::Tensor backward_weight_cuda(const at::Tensor& grad_out, const at::Tensor& x,
   const int64_t bpad = padded(batch, v);
   const auto xt = transpose_padded(x, bpad);
   const auto stream = c10::cuda::getCurrentCUDAStream();
-  AT_DISPATCH_FLOATING_TYPES(grad_out.scalar_type(), "uniform_sparse_backward_weight_cuda", [&] {
+  with_types(x, grad_out, [&](auto t, auto tx) {
+    using T = decltype(t);
+    using TX = decltype(tx);
     with_v(v, [&](auto vc) {
-      backward_weight_kernel<scalar_t, decltype(vc)::value><<<blocks_for(labels), kThreads, 0, stream>>>(
-          grad_out.const_data_ptr<scalar_t>(), xt.const_data_ptr<scalar_t>(), indices.const_data_ptr<int32_t>(),
-          grad_w.mutable_data_ptr<scalar_t>(), batch, bpad, conn, labels);
+      backward_weight_kernel<T, TX, decltype(vc)::value><<<blocks_for(labels), kThreads, 0, stream>>>(
+          grad_out.const_data_ptr<T>(), data_as<TX>(xt), indices.const_data_ptr<int32_t>(),
+          grad_w.mutable_data_ptr<T>(), batch, bpad, conn, labels);
       C10_CUDA_KERNEL_LAUNCH_CHECK();
     });
   });

@@ -19,8 +19,10 @@ def check_op_inputs(x: torch.Tensor, indices: torch.Tensor, weight: torch.Tensor
         raise SparseInputError("x, indices and weight must be torch.Tensors")
     if x.dim() != 2:
         raise SparseInputError(f"x must be 2-D (batch, in_features), got shape {tuple(x.shape)}")
-    if x.dtype not in (torch.float32, torch.float64):
-        raise SparseInputError(f"x must be float32 (or float64), got {x.dtype}; call x.float()")
+    bf16_inputs = x.dtype == torch.bfloat16 and x.is_cuda and weight.dtype == torch.float32
+    if x.dtype not in (torch.float32, torch.float64) and not bf16_inputs:
+        raise SparseInputError(f"x must be float32 (or float64; bfloat16 on CUDA with float32 weights), got {x.dtype}; "
+                               "call x.float()")
     if indices.dim() != 2:
         raise SparseInputError(
             f"indices must be 2-D (connectivity, out_features), got shape {tuple(indices.shape)}")
@@ -30,7 +32,7 @@ def check_op_inputs(x: torch.Tensor, indices: torch.Tensor, weight: torch.Tensor
         raise SparseInputError(
             f"weight shape {tuple(weight.shape)} must equal indices shape {tuple(indices.shape)} "
             "(connectivity, out_features)")
-    if weight.dtype != x.dtype:
+    if weight.dtype != x.dtype and not bf16_inputs:
         raise SparseInputError(f"weight dtype {weight.dtype} must equal x dtype {x.dtype}")
     connectivity, out_features = indices.shape
     if connectivity < 1 or out_features < 1:
@@ -44,8 +46,8 @@ def check_op_inputs(x: torch.Tensor, indices: torch.Tensor, weight: torch.Tensor
     if bias is not None:
         if bias.shape != (out_features,):
             raise SparseInputError(f"bias must have shape ({out_features},), got {tuple(bias.shape)}")
-        if bias.dtype != x.dtype:
-            raise SparseInputError(f"bias dtype {bias.dtype} must equal x dtype {x.dtype}")
+        if bias.dtype != weight.dtype:
+            raise SparseInputError(f"bias dtype {bias.dtype} must equal the weight dtype {weight.dtype}")
         tensors.append(("bias", bias))
     for name, t in tensors[1:]:
         if t.device != x.device:

@@ -168,6 +168,8 @@ class UnstructuredSparseLinear(nn.Module):
     replacement; a CSR matrix with repeated entries is not something torch's sparse kernels promise to sum).
     """
 
+    cuda_graph_safe = False  # rewiring rebuilds the CSR structure in new tensors, which a captured step would miss
+
     def __init__(self, in_features: int, out_features: int, connectivity: int, bias: bool = True,
                  generator: torch.Generator | None = None, init: str = "authors"):
         super().__init__()

@@ -1,4 +1,5 @@
-"""The uniform sparse op ``xmc_sparse::forward`` and its two backward ops, with autograd.
+"""The uniform sparse op ``xmc_sparse::forward`` and its two backward ops, with autograd, and the fused
+squared hinge loss ``xmc_sparse::squared_hinge`` (loss and gradient in one pass; autograd in xmc_repro.losses).
 
 The schema is written once, in cuda_ext/schema.h: the compiled library defines the ops from it
 (cuda_ext/ops.cpp), and without that library (no compiler, or ``XMC_SPARSE_BACKEND=reference``)
@@ -24,8 +25,10 @@ _REFERENCE_KERNELS = {
     "forward": reference.forward,
     "backward_input": reference.backward_input,
     "backward_weight": reference.backward_weight,
+    "squared_hinge": reference.squared_hinge,
 }
 _DISPATCH_KEYS = {"cpu": "CPU", "cuda": "CUDA"}
+_BF16_INPUT_OPS = ("forward", "backward_weight")  # take bf16 x with float32 weights on compiled CUDA
 _FLOATS = (torch.float32, torch.float64)
 
 _lock = threading.Lock()
@@ -61,13 +64,21 @@ def _check_dense(t, like, name):
     torch._check(t.device == like.device, lambda: f"{name} must be on the device of weight")
 
 
+def _check_input(x, weight):
+    """x like the weight, or bf16 with float32 weights (the CUDA kernels gather bf16 inputs)."""
+    torch._check(x.dim() == 2, lambda: "x must be 2-D")
+    torch._check(x.dtype == weight.dtype or (x.dtype == torch.bfloat16 and weight.dtype == torch.float32),
+                 lambda: f"x dtype {x.dtype} must equal {weight.dtype} (or be bfloat16 with float32 weights)")
+    torch._check(x.device == weight.device, lambda: "x must be on the device of weight")
+
+
 def _fake_forward(x, indices, weight, bias):
     _check_structure(indices, weight)
-    _check_dense(x, weight, "x")
+    _check_input(x, weight)
     if bias is not None:
         torch._check(bias.shape == (indices.shape[1],), lambda: "bias must have shape (out_features,)")
         torch._check(bias.dtype == weight.dtype, lambda: "bias dtype must equal weight dtype")
-    return x.new_empty(x.shape[0], indices.shape[1])
+    return weight.new_empty(x.shape[0], indices.shape[1])
 
 
 def _fake_backward_input(grad_out, indices, weight, in_features):
@@ -80,11 +91,19 @@ def _fake_backward_input(grad_out, indices, weight, in_features):
 def _fake_backward_weight(grad_out, x, indices):
     torch._check(indices.dim() == 2 and indices.dtype == torch.int32, lambda: "indices must be 2-D int32")
     torch._check(grad_out.dtype in _FLOATS, lambda: f"grad_out must be float32/float64, got {grad_out.dtype}")
-    _check_dense(x, grad_out, "x")
+    _check_input(x, grad_out)
     torch._check(grad_out.dim() == 2 and grad_out.shape[1] == indices.shape[1],
                  lambda: "grad_out must have out_features columns")
     torch._check(x.shape[0] == grad_out.shape[0], lambda: "x and grad_out must share the batch size")
     return grad_out.new_empty(indices.shape)
+
+
+def _fake_squared_hinge(scores, positives):
+    torch._check(scores.dim() == 2, lambda: "scores must be 2-D (batch, labels)")
+    torch._check(scores.dtype in _FLOATS, lambda: f"scores must be float32/float64, got {scores.dtype}")
+    torch._check(positives.dim() == 1 and positives.dtype == torch.int64, lambda: "positives must be 1-D int64")
+    torch._check(positives.device == scores.device, lambda: "positives must be on the device of scores")
+    return scores.new_empty(()), scores.new_empty(scores.shape)
 
 
 # ---------------------------------------------------------------- autograd
@@ -96,7 +115,7 @@ def _setup_context(ctx, inputs, output):
     # grad_x needs the weights, grad_w needs the inputs: save only what a needed gradient reads.
     ctx.save_for_backward(x if needs_w else None, indices if needs_x or needs_w else None,
                           weight if needs_x else None)
-    ctx.in_features = x.shape[1]
+    ctx.in_features, ctx.x_dtype = x.shape[1], x.dtype
 
 
 def _backward(ctx, grad):
@@ -104,7 +123,7 @@ def _backward(ctx, grad):
     grad = grad.contiguous()  # e.g. the expanded ones of out.sum().backward()
     needs_x, needs_w, needs_b = (ctx.needs_input_grad[i] for i in (0, 2, 3))
     ops = torch.ops.xmc_sparse
-    grad_x = ops.backward_input(grad, indices, weight, ctx.in_features) if needs_x else None
+    grad_x = ops.backward_input(grad, indices, weight, ctx.in_features).to(ctx.x_dtype) if needs_x else None
     grad_w = ops.backward_weight(grad, x, indices) if needs_w else None
     grad_b = grad.sum(0) if needs_b else None
     return grad_x, None, grad_w, grad_b
@@ -141,12 +160,14 @@ def _register() -> dict[str, str]:
             lib.impl(name, fn, key)
         backends[device] = "reference"
     fakes = {"forward": _fake_forward, "backward_input": _fake_backward_input,
-             "backward_weight": _fake_backward_weight}
+             "backward_weight": _fake_backward_weight, "squared_hinge": _fake_squared_hinge}
     for name, fake in fakes.items():
         torch.library.register_fake(f"{NAMESPACE}::{name}", fake, lib=lib)
-        # Under autocast (bf16-mixed training) the activations arrive in bf16/fp16; the kernels compute
-        # in float32, like the float32 weights of mixed precision (float32 accumulation).
+        # Under autocast (bf16-mixed training) the activations (and a dense head's scores) arrive in
+        # bf16/fp16; the kernels compute in float32, like the float32 weights of mixed precision.
         for device in _DISPATCH_KEYS:
+            if name in _BF16_INPUT_OPS and backends[device] == "compiled-cuda":
+                continue  # these kernels take bf16 inputs as they come (uniform_sparse_linear casts the rest)
             torch.library.register_autocast(f"{NAMESPACE}::{name}", device, torch.float32, lib=lib)
     torch.library.register_autograd(f"{NAMESPACE}::forward", _backward, setup_context=_setup_context, lib=lib)
     return backends
@@ -175,15 +196,19 @@ def uniform_sparse_linear(x: torch.Tensor, indices: torch.Tensor, weight: torch.
     """``out[b, j] = sum_k weight[k, j] * x[b, indices[k, j]] + bias[j]``, differentiable in x, weight, bias.
 
     x (batch, in_features) float32; indices (connectivity, out_features) int32; weight like indices;
-    bias (out_features,) or None. Under ``torch.autocast`` x may be bf16/fp16: it is computed in the
-    weight's dtype and the scores come out in that dtype. ``check_indices=True`` (or env
+    bias (out_features,) or None. Under ``torch.autocast`` x may be bf16/fp16: the scores come out in the
+    weight's dtype; bf16 x with float32 weights is gathered as bf16 by the compiled CUDA kernels (float32
+    accumulation), and cast to the weight's dtype elsewhere. bf16 x is also taken outside autocast there. ``check_indices=True`` (or env
     ``XMC_SPARSE_CHECK_INDICES=1``) verifies that every index lies in [0, in_features) --
     out-of-range indices are undefined behaviour in the compiled kernels.
     """
     if check_indices is None:
         check_indices = os.environ.get("XMC_SPARSE_CHECK_INDICES", "0") not in ("", "0")
     if x.dtype != weight.dtype and x.is_floating_point() and torch.is_autocast_enabled(x.device.type):
-        x = x.to(weight.dtype)  # differentiable: x's gradient comes back in its own dtype
+        # Compiled CUDA kernels gather bf16 inputs as they are (half the bytes, float32 sums); elsewhere they
+        # are cast, differentiably: x's gradient comes back in its own dtype.
+        if not (x.dtype == torch.bfloat16 and weight.dtype == torch.float32 and backend(x.device) == "compiled-cuda"):
+            x = x.to(weight.dtype)
     check_op_inputs(x, indices, weight, bias, check_indices)
     ensure_registered()
     return torch.ops.xmc_sparse.forward(x.contiguous(), indices, weight, bias)

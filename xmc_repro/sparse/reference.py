@@ -55,3 +55,31 @@ def dense_weight(indices: torch.Tensor, weight: torch.Tensor, in_features: int) 
     rows = torch.arange(out_features, device=weight.device).expand(connectivity, -1)
     dense.index_put_((rows.reshape(-1), indices.reshape(-1).long()), weight.reshape(-1), accumulate=True)
     return dense
+
+
+def squared_hinge(scores: torch.Tensor, positives: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(loss, grad): loss = mean of relu(1 - (2y - 1) s)^2 with y = 1 at the flat positions ``positives``
+    (repeats count once, entries < 0 are padding), grad = d loss / d scores. Every entry is summed as a
+    negative, chunk by chunk, then corrected at the positives; nothing here waits for the device."""
+    n = scores.numel()
+    grad = torch.empty_like(scores)
+    if n == 0:
+        return torch.full((), float("nan"), dtype=scores.dtype, device=scores.device), grad
+    flat, gflat = scores.reshape(-1), grad.view(-1)
+    total = torch.zeros((), dtype=scores.dtype, device=scores.device)
+    for lo in range(0, n, _CHUNK_ELEMENTS):
+        h = (flat[lo : lo + _CHUNK_ELEMENTS] + 1).clamp_(min=0)
+        total += h.square().sum()
+        torch.mul(h, 2.0 / n, out=gflat[lo : lo + _CHUNK_ELEMENTS])
+    p = torch.sort(positives).values  # padding first; a repeat follows its first occurrence
+    keep = p >= 0
+    keep[1:] &= p[1:] != p[:-1]
+    q = p.clamp(min=0)  # padding reads entry 0 and writes nothing there (below)
+    s = flat[q]
+    hinge, neg = (1 - s).clamp(min=0), (1 + s).clamp(min=0)
+    total += (hinge.square() - neg.square()).where(keep, 0).sum()
+    # The positive gradient is <= 0 <= the negative one already written, so a minimum puts it in place,
+    # whatever the order of repeated writes; padding offers +inf, which leaves its entry as it is.
+    value = (hinge * (-2.0 / n)).where(p >= 0, float("inf"))
+    gflat.scatter_reduce_(0, q, value, "amin")
+    return total / n, grad

@@ -1,0 +1,158 @@
+"""The CUDA-graph training step: what decides it (CPU), and that it trains as the eager step does (CUDA)."""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+import torch
+from conftest import TINY, generator, label_lists, quiet_trainer
+
+from xmc_repro.data import build_datamodule
+from xmc_repro.losses import bce_loss, positive_positions, squared_hinge_loss
+from xmc_repro.model import XMCClassifier
+from xmc_repro.step_graph import StepGraph, capacity_for, loss_from_positions, pad_positions, unsupported_reason
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+
+
+def test_padding_repeats_the_last_position_and_stays_sorted():
+    positives = torch.tensor([3, 9, 9, 41])
+    out = pad_positions(positives, torch.full((7,), -5))
+    assert out.tolist() == [3, 9, 9, 41, 41, 41, 41]
+    assert pad_positions(positives, torch.empty(4)).tolist() == [3, 9, 9, 41]
+
+
+@pytest.mark.parametrize("count,capacity", [(1, 256), (256, 256), (257, 512), (5000, 8192)])
+def test_capacity_is_a_power_of_two_that_holds_the_count(count, capacity):
+    assert capacity_for(count) == capacity
+
+
+@pytest.mark.parametrize("loss", ["squared_hinge", "bce"])
+def test_both_losses_have_a_positive_list_form_that_matches(loss):
+    """The graph calls `from_positions` with a padded list: same value and gradient as the label-list form."""
+    gen = generator(1)
+    scores = torch.randn(5, 11, generator=gen, dtype=torch.float64, requires_grad=True)
+    ptr, idx = label_lists(gen, 5, 11, most=3, least=1)
+    fn = {"squared_hinge": squared_hinge_loss, "bce": bce_loss}[loss]
+    want = fn(scores, ptr, idx)
+    (want_grad,) = torch.autograd.grad(want, scores)
+    padded = pad_positions(positive_positions(ptr, idx, 11, "cpu"), torch.empty(capacity_for(idx.numel()),
+                                                                              dtype=torch.long))
+    got = loss_from_positions(fn)(scores, padded)
+    (got_grad,) = torch.autograd.grad(got, scores)
+    torch.testing.assert_close(got, want)
+    torch.testing.assert_close(got_grad, want_grad)
+
+
+def _fake_model(**overrides):
+    """The attributes `unsupported_reason` reads, as a graph-capable CUDA model has them."""
+    model = types.SimpleNamespace(device=torch.device("cuda"), head=torch.nn.Linear(2, 3),
+                                  loss_fn=squared_hinge_loss, modules=lambda: [torch.nn.Linear(2, 3)])
+    for key, value in overrides.items():
+        setattr(model, key, value)
+    return model
+
+
+def test_reasons_for_an_eager_step():
+    from xmc_repro.sparse.layers import UnstructuredSparseLinear
+
+    assert unsupported_reason(_fake_model()) is None
+    assert "CUDA" in unsupported_reason(_fake_model(device=torch.device("cpu")))
+    assert "DDP" in unsupported_reason(_fake_model(), world_size=2)
+    assert "precision" in unsupported_reason(_fake_model(), precision="16-mixed")
+    assert unsupported_reason(_fake_model(), precision="bf16-mixed") is None
+    assert "positive list" in unsupported_reason(_fake_model(loss_fn=lambda s, p, i: s.sum()))
+    sparse = UnstructuredSparseLinear(8, 5, 2)
+    assert "UnstructuredSparseLinear" in unsupported_reason(_fake_model(modules=lambda: [sparse]))
+    mach = types.SimpleNamespace(meta_labels=lambda p, i: (p, i))
+    assert "targets" in unsupported_reason(_fake_model(head=mach))
+
+
+def test_a_cpu_run_keeps_the_eager_step(tmp_path):
+    model = XMCClassifier(TINY["num_features"], TINY["num_labels"], head="uniform", connectivity=4, intermediate=32)
+    trainer = quiet_trainer(tmp_path, max_steps=2, limit_val_batches=0, accelerator="cpu")
+    trainer.fit(model, datamodule=build_datamodule(TINY, batch_size=16, seed=0))
+    assert model._step_graph is None and "CUDA" in model._graph_off
+
+
+# ------------------------------------------------------------------------------------------- on a GPU
+
+
+def _uniform_model(dropout=0.0, loss="squared_hinge", head="uniform"):
+    torch.manual_seed(0)
+    return XMCClassifier(24, 50, head=head, connectivity=5, intermediate=40, dropout=dropout, loss=loss).cuda()
+
+
+def _batches(count, batch=8, seed=3):
+    gen = generator(seed)
+    out = []
+    for i in range(count):
+        big = i == 2  # more positives than the first capture's capacity (256)
+        ptr, idx = label_lists(gen, batch, 50, most=50 if big else 3, least=40 if big else 1)
+        out.append((torch.randn(batch, 24, generator=gen).cuda(), ptr.cuda(), idx.cuda()))
+    return out
+
+
+@pytest.mark.cuda
+@cuda
+@pytest.mark.parametrize("loss", ["squared_hinge", "bce"])
+@pytest.mark.parametrize("head", ["uniform", "dense"])
+def test_graphed_steps_train_as_eager_steps_do(loss, head):
+    """Five Adam steps with a rewiring in between: the same weights whether the step is graphed or eager."""
+    batches = _batches(5)
+    results = []
+    for graphed in (False, True):
+        model = _uniform_model(loss=loss, head=head)
+        optimizer = model.configure_optimizers()["optimizer"]
+        graph = StepGraph(model, loss_from_positions(model.loss_fn))
+        losses = []
+        for i, (x, ptr, idx) in enumerate(batches):
+            if graphed:
+                loss_value = graph.step(x, positive_positions(ptr, idx, 50, x.device))
+                graph.attach_grads()
+            else:
+                loss_value = model.loss_fn(model(x), ptr, idx)
+                loss_value.backward()
+            losses.append(float(loss_value))
+            optimizer.step()
+            model.zero_grad(set_to_none=True)
+            if i == 1:
+                for layer in model.sparse_layers():
+                    layer.rewire(0.3, generator(7))
+        results.append((losses, [p.detach().clone() for p in model.parameters()], graph.captures))
+    (eager_losses, eager_params, _), (graph_losses, graph_params, captures) = results
+    assert captures == 2  # the first batch, and the one with more positives than the capacity
+    torch.testing.assert_close(graph_losses, eager_losses, rtol=1e-5, atol=1e-7)
+    for got, want in zip(graph_params, eager_params):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.cuda
+@cuda
+def test_a_replaced_parameter_makes_the_next_step_recapture():
+    model = _uniform_model()
+    graph = StepGraph(model, loss_from_positions(model.loss_fn))
+    (x, ptr, idx), = _batches(1)
+    graph.step(x, positive_positions(ptr, idx, 50, x.device))
+    model.head.weight = torch.nn.Parameter(model.head.weight.detach().clone())
+    graph.step(x, positive_positions(ptr, idx, 50, x.device))
+    assert graph.captures == 2
+
+
+@pytest.mark.cuda
+@cuda
+def test_lightning_fit_with_the_graph_matches_the_eager_fit(tmp_path):
+    """Same seed, same data, dropout on: the graphed run's validation P@k is the eager run's, within noise."""
+    import lightning.pytorch as pl
+
+    scores = {}
+    for graphed in (False, True):
+        pl.seed_everything(0, verbose=False)
+        model = XMCClassifier(TINY["num_features"], TINY["num_labels"], head="uniform", connectivity=4,
+                              intermediate=32, cuda_graph=graphed)
+        trainer = quiet_trainer(tmp_path, max_epochs=3, accelerator="cuda", devices=1)
+        trainer.fit(model, datamodule=build_datamodule(TINY, batch_size=16, seed=0, pin_memory=True))
+        assert (model._step_graph is not None) == graphed
+        scores[graphed] = float(trainer.callback_metrics["val/p_at_1"])
+    assert abs(scores[True] - scores[False]) < 5.0, scores

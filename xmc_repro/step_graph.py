@@ -1,0 +1,145 @@
+"""One training step's forward, loss and backward, replayed as a CUDA graph.
+
+At batch 32 the uniform model's step is a few dozen small kernels; issued one by one from Python, the host
+is slower than the device. Captured once, a step is one graph launch. What stays outside the graph:
+
+* the positive list, whose length is data: it is built eagerly (no host sync) and copied into a buffer of
+  fixed capacity, padded with repeats of its last entry -- both losses count a repeated position once;
+* the optimizer: fused Adam is one kernel per parameter group, and outside the graph its state can be
+  replaced (a checkpoint load), reset (rewiring) and its learning rate changed as usual;
+* rewiring: it writes the connection indices and weights in place, which the graph reads on its next replay.
+
+The gradients live in the graph's memory; ``attach_grads`` points the parameters' ``.grad`` at them after a
+replay (Lightning sets them to None between the training step and backward). A batch the graph cannot take
+(another batch size, more positives than the capacity) is recaptured for, and a parameter replaced under the
+graph (``model.to``) makes the next step recapture.
+"""
+from __future__ import annotations
+
+import torch
+
+WARMUP_STEPS = 3  # eager steps on a side stream before capture (cuBLAS and the allocator settle)
+
+
+class CaptureError(RuntimeError):
+    """The step could not be captured (an op that syncs or allocates outside the graph's pool, say)."""
+
+
+def loss_from_positions(loss_fn):
+    """The positive-list form of a loss (its `from_positions`), seen through a bare `functools.partial`, or None."""
+    if getattr(loss_fn, "args", ()) == () and getattr(loss_fn, "keywords", {}) == {}:
+        loss_fn = getattr(loss_fn, "func", loss_fn)
+    return getattr(loss_fn, "from_positions", None)
+
+
+def unsupported_reason(model, precision: str = "32-true", world_size: int = 1) -> str | None:
+    """Why `model`'s training step cannot be a CUDA graph here, or None when it can."""
+    if model.device.type != "cuda":
+        return "not on a CUDA device"
+    if world_size > 1:
+        return "DDP reduces gradients during backward, outside any graph"
+    if str(precision) not in ("32", "32-true", "bf16-mixed"):
+        return f"precision {precision}: only 32-true and bf16-mixed steps are captured (16-mixed scales the loss)"
+    if getattr(model.head, "meta_labels", None) is not None:
+        return "the head trains on other targets than the labels"
+    if loss_from_positions(model.loss_fn) is None:
+        return "the loss takes no positive list"
+    for module in model.modules():
+        if getattr(module, "cuda_graph_safe", True) is False:
+            return f"{type(module).__name__} reallocates its structure when it rewires"
+    return None
+
+
+def pad_positions(positives: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """Sorted ``positives`` written into the fixed-size ``out``, the tail filled with the last one (stays sorted)."""
+    n = positives.numel()
+    out[:n].copy_(positives)
+    out[n:].copy_(positives[n - 1:].expand(out.numel() - n))
+    return out
+
+
+def capacity_for(count: int) -> int:
+    """Room for ``count`` positives: the next power of two, at least 256 (few recaptures as batches vary)."""
+    return max(256, 1 << (count - 1).bit_length())
+
+
+class StepGraph:
+    """Forward, loss and backward of ``model`` on one batch, captured once and replayed per step.
+
+    ``loss_from_positions(scores, positives)`` is the loss given sorted flat positive positions (repeats allowed).
+    """
+
+    def __init__(self, model, loss_from_positions):
+        self.model = model
+        self.loss_from_positions = loss_from_positions
+        self.graph: torch.cuda.CUDAGraph | None = None
+        self.captures = 0
+        self._key = None
+        self._autocast: torch.dtype | None = None
+
+    def _tensors_key(self):
+        """The storage of every parameter and buffer: the graph reads them by address."""
+        return tuple(t.data_ptr() for t in (*self.model.parameters(), *self.model.buffers()))
+
+    def _forward_backward(self) -> torch.Tensor:
+        # Under bf16-mixed the caller's autocast holds; its cache of cast weights must not outlive the capture,
+        # so the step casts afresh inside the graph (cache off).
+        with torch.autocast("cuda", dtype=self._autocast or torch.bfloat16, enabled=self._autocast is not None,
+                            cache_enabled=False):
+            scores = self.model.head(self.model.encoder(self.static_x))
+            loss = self.loss_from_positions(scores, self.static_positives)
+        loss.backward()
+        return loss.detach()
+
+    def _capture(self, x: torch.Tensor, positives: torch.Tensor) -> None:
+        self.graph = None  # frees the old graph's memory first
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        self.static_x = x.detach().clone()
+        self.static_positives = torch.empty(capacity_for(positives.numel()), dtype=torch.long, device=x.device)
+        pad_positions(positives, self.static_positives)
+        side = torch.cuda.Stream(device=x.device)
+        side.wait_stream(torch.cuda.current_stream(x.device))
+        with torch.cuda.stream(side):
+            for _ in range(WARMUP_STEPS):
+                for p in params:
+                    p.grad = None
+                self._forward_backward()
+        torch.cuda.current_stream(x.device).wait_stream(side)
+        for p in params:  # the graph allocates the gradients it writes at every replay
+            p.grad = None
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            self.static_loss = self._forward_backward()
+        self.params, self.static_grads = params, [p.grad for p in params]
+        self.graph = graph
+        self.captures += 1
+
+    def step(self, x: torch.Tensor, positives: torch.Tensor) -> torch.Tensor:
+        """Forward, loss and backward on (``x``, sorted flat ``positives``); returns the loss (its own tensor).
+
+        The gradients are written into the graph's buffers: call ``attach_grads`` before the optimizer step.
+        """
+        if positives.numel() == 0:
+            raise ValueError("a graphed step needs at least one positive label in the batch")
+        autocast = torch.get_autocast_dtype("cuda") if torch.is_autocast_enabled("cuda") else None
+        key = (tuple(x.shape), x.dtype, autocast, self._tensors_key())
+        if self.graph is not None and key == self._key and positives.numel() <= self.static_positives.numel():
+            self.static_x.copy_(x)
+            pad_positions(positives, self.static_positives)
+            self.graph.replay()
+        else:
+            self._autocast = autocast
+            try:
+                self._capture(x, positives)
+            except Exception as error:
+                self.graph = None
+                for p in self.model.parameters():
+                    p.grad = None
+                raise CaptureError(f"{type(error).__name__}: {error}") from error
+            self._key = key
+            self.graph.replay()  # the capture itself ran nothing
+        return self.static_loss.clone()  # the logger may keep it past the next replay
+
+    def attach_grads(self) -> None:
+        for p, g in zip(self.params, self.static_grads):
+            p.grad = g
