@@ -121,3 +121,27 @@ def test_synthetic_data_is_told_apart_by_its_generating_settings():
     first, again, other_seed = (_dataset({**base, **extra}) for extra in ({}, {}, {"data_seed": 1}))
     assert first.digest == again.digest != other_seed.digest
     assert first.source_type == "code"
+
+
+def test_git_commit_says_when_the_code_differs_from_the_commit(tmp_path, monkeypatch):
+    import subprocess
+
+    from xmc_repro import tracking
+
+    def git(*args):
+        subprocess.run(["git", "-c", "user.email=a@b", "-c", "user.name=a", *args], cwd=tmp_path, check=True,
+                       capture_output=True)
+
+    git("init", "-q")
+    (tmp_path / "f.py").write_text("a = 1\n")
+    git("add", "f.py")
+    git("commit", "-qm", "one")
+    monkeypatch.setattr(tracking, "PROJECT_ROOT", tmp_path)
+    clean = tracking.git_commit()
+    assert len(clean) == 12 and not clean.endswith("-dirty")
+    (tmp_path / "new.py").write_text("untracked files do not count\n")
+    assert tracking.git_commit() == clean
+    (tmp_path / "f.py").write_text("a = 2\n")
+    assert tracking.git_commit() == clean + "-dirty"
+    monkeypatch.setattr(tracking, "PROJECT_ROOT", tmp_path / "missing")
+    assert tracking.git_commit() == "unknown"

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import os
+import sys
 import types
 
+import lightning.pytorch as pl
 import pytest
 import torch
 from conftest import TINY, generator, label_lists, quiet_trainer
@@ -156,3 +159,36 @@ def test_lightning_fit_with_the_graph_matches_the_eager_fit(tmp_path):
         assert (model._step_graph is not None) == graphed
         scores[graphed] = float(trainer.callback_metrics["val/p_at_1"])
     assert abs(scores[True] - scores[False]) < 5.0, scores
+
+
+class _TensorReads(pl.Callback):
+    """Counts Tensor.item() and float(tensor) calls from the second training batch to the start of the last, but
+    those of torch's optimizers: on a CPU, Adam reads its step counter (fused CUDA Adam keeps it on the device)."""
+
+    def __init__(self, monkeypatch):
+        self.reads, self.counting = 0, False
+        for name in ("item", "__float__"):
+            original = getattr(torch.Tensor, name)
+
+            def counted(tensor, *args, _original=original):
+                caller = sys._getframe(1).f_code.co_filename
+                self.reads += self.counting and f"torch{os.sep}optim" not in caller
+                return _original(tensor, *args)
+            monkeypatch.setattr(torch.Tensor, name, counted)
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        self.counting = 1 <= batch_idx < trainer.num_training_batches - 1
+
+
+@pytest.mark.parametrize("bar", ["progress", "epoch_line"])
+def test_the_training_loop_reads_no_tensor_back_per_step(tmp_path, monkeypatch, bar):
+    """A tensor read waits for the GPU to finish the step: the console and logging must not read one per step."""
+    from xmc_repro.console import EpochLine, ProgressBar
+
+    reads = _TensorReads(monkeypatch)
+    model = XMCClassifier(TINY["num_features"], TINY["num_labels"], head="uniform", connectivity=4, intermediate=32)
+    shown = ProgressBar() if bar == "progress" else EpochLine()
+    trainer = quiet_trainer(tmp_path, max_epochs=1, limit_val_batches=1, accelerator="cpu", callbacks=[reads, shown],
+                            enable_progress_bar=bar == "progress")
+    trainer.fit(model, datamodule=build_datamodule(TINY, batch_size=16, seed=0))
+    assert trainer.num_training_batches > 10 and reads.reads == 0

@@ -17,6 +17,8 @@ from lightning.pytorch.callbacks.progress.rich_progress import ProcessingSpeedCo
 
 # (metric Lightning logs, what the console calls it)
 SHOWN = (("train/loss_step", "loss"), ("val/p_at_3", "val P@3"))
+# The bar reads the step loss from the device this often: reading it waits for the GPU to finish the step.
+LOSS_EVERY_N_STEPS = 50
 # Warnings nobody running this tool can act on (Lightning's internals, not the user's settings).
 UNACTIONABLE = (
     r".*is smaller than the logging interval.*",  # short epochs: per-step loss then reaches MLflow once an epoch
@@ -48,6 +50,8 @@ class ProgressBar(RichProgressBar):
 
     def __init__(self):
         super().__init__(theme=RichProgressBarTheme(metrics_format=".3g"))
+        self._loss: float | None = None
+        self._loss_step = -LOSS_EVERY_N_STEPS
 
     def configure_columns(self, trainer) -> list:
         columns = [c for c in super().configure_columns(trainer) if not isinstance(c, ProcessingSpeedColumn)]
@@ -58,6 +62,11 @@ class ProgressBar(RichProgressBar):
 
     def get_metrics(self, trainer, pl_module):
         metrics = super().get_metrics(trainer, pl_module)
+        loss = trainer.callback_metrics.get("train/loss_step")
+        if loss is not None and trainer.global_step - self._loss_step >= LOSS_EVERY_N_STEPS:
+            self._loss, self._loss_step = float(loss), trainer.global_step
+        if self._loss is not None:
+            metrics["train/loss_step"] = self._loss
         return {label: metrics[key] for key, label in SHOWN if key in metrics}
 
     def _get_train_description(self, current_epoch: int) -> str:
@@ -76,23 +85,25 @@ class EpochLine(pl.Callback):
 
     def __init__(self):
         self._start = None
-        self._losses: list[float] = []
+        self._loss_sum, self._batches = None, 0  # summed on the device: reading each loss would sync every step
 
     def on_train_epoch_start(self, trainer, pl_module):
-        self._start, self._losses = time.perf_counter(), []
+        self._start, self._loss_sum, self._batches = time.perf_counter(), None, 0
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
         if loss is not None:
-            self._losses.append(float(loss))
+            loss = loss.detach()
+            self._loss_sum = loss if self._loss_sum is None else self._loss_sum + loss
+            self._batches += 1
 
     def on_train_epoch_end(self, trainer, pl_module):
         if trainer.global_rank != 0 or self._start is None:
             return
         metrics = trainer.callback_metrics
         parts = [f"epoch {trainer.current_epoch + 1}/{trainer.max_epochs}"]
-        if self._losses:
-            parts.append(f"loss {sum(self._losses) / len(self._losses):.4f}")
+        if self._batches:
+            parts.append(f"loss {float(self._loss_sum) / self._batches:.4f}")
         p_at = [(k, _value(metrics, f"val/p_at_{k}")) for k in (1, 3, 5)]
         if any(v is not None for _, v in p_at):
             parts.append("val " + " ".join(f"P@{k} {v:.2f}" for k, v in p_at if v is not None))

@@ -177,7 +177,9 @@ class XMCClassifier(pl.LightningModule):
                 f"the training loss is {bad[0]} at step {bad[1]} (epoch {self.current_epoch}); "
                 "lower trainer.lr or check the input features for extreme values"
             )
-        self.log("train/loss", loss, prog_bar=True, on_step=True, on_epoch=True, batch_size=x.shape[0])
+        # Not a progress-bar metric: Lightning turns those into Python numbers after every batch, a device-to-host
+        # sync per step; the bar reads the loss itself every few dozen steps (xmc_repro.console).
+        self.log("train/loss", loss, on_step=True, on_epoch=True, batch_size=x.shape[0])
         return loss
 
     def _graph(self):
@@ -190,6 +192,15 @@ class XMCClassifier(pl.LightningModule):
             if self._graph_off is None:
                 self._step_graph = StepGraph(self, loss_from_positions(self.loss_fn))
         return self._step_graph
+
+    def on_validation_start(self):
+        # The graph holds the step's gradients and activations; evaluation and rewiring need neither. Released
+        # here, recaptured at the next training step (a few milliseconds once an epoch).
+        if self._step_graph is not None:
+            self._step_graph.release()
+
+    def on_train_end(self):
+        self.on_validation_start()
 
     def backward(self, loss, *args, **kwargs):
         if self._grads_in_graph:  # the graph ran backward already

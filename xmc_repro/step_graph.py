@@ -12,7 +12,8 @@ is slower than the device. Captured once, a step is one graph launch. What stays
 The gradients live in the graph's memory; ``attach_grads`` points the parameters' ``.grad`` at them after a
 replay (Lightning sets them to None between the training step and backward). A batch the graph cannot take
 (another batch size, more positives than the capacity) is recaptured for, and a parameter replaced under the
-graph (``model.to``) makes the next step recapture.
+graph (``model.to``) makes the next step recapture. ``release`` frees the graph's memory (the model calls it
+before validation, so evaluation runs without the step's gradients held).
 """
 from __future__ import annotations
 
@@ -139,6 +140,14 @@ class StepGraph:
             self._key = key
             self.graph.replay()  # the capture itself ran nothing
         return self.static_loss.clone()  # the logger may keep it past the next replay
+
+    def release(self) -> None:
+        """Free the graph and its memory (gradients and activations included); the next step captures anew."""
+        self.graph = self._key = None
+        self.params = self.static_grads = []
+        self.static_x = self.static_positives = self.static_loss = None
+        for p in self.model.parameters():  # the attached gradients live in the graph's memory
+            p.grad = None
 
     def attach_grads(self) -> None:
         for p, g in zip(self.params, self.static_grads):

@@ -160,14 +160,20 @@ def flatten(cfg, prefix: str = "") -> dict[str, str]:
     return flat
 
 
-def git_commit() -> str:
+def _git(*args: str) -> str:
     try:
-        out = subprocess.run(
-            ["git", "rev-parse", "--short=12", "HEAD"], cwd=PROJECT_ROOT, capture_output=True, text=True, timeout=10
-        )
-        return out.stdout.strip() or "unknown"
+        out = subprocess.run(["git", *args], cwd=PROJECT_ROOT, capture_output=True, text=True, timeout=10)
+        return out.stdout.strip() if out.returncode == 0 else ""
     except (OSError, subprocess.SubprocessError):
-        return "unknown"
+        return ""
+
+
+def git_commit() -> str:
+    """HEAD's short hash, "-dirty" appended when tracked files differ from it (the code run is then not that commit)."""
+    head = _git("rev-parse", "--short=12", "HEAD")
+    if head and _git("status", "--porcelain", "--untracked-files=no"):
+        head += "-dirty"
+    return head or "unknown"
 
 
 def device_name(accelerator_device) -> str:
