@@ -3,7 +3,8 @@
 #   bash scripts/gpu_all.sh
 # 1. builds the CPU+CUDA kernels (XMC_SPARSE_BACKEND=compiled: a failed CUDA build is an error here),
 # 2. runs every `cuda`-marked test,
-# 3. the whole-model step, dense beside uniform (eager, CUDA graph, Lightning), Amazon-670K shapes,
+# 3. the whole-model step, dense beside uniform (eager, CUDA graph, Lightning), Amazon-670K shapes, and a profile
+#    of the uniform step (how long the device is busy per step, the top kernels),
 # 4. one full epoch of the pipeline at Amazon-670K's shape (uniform, 32k intermediate layer, graph step),
 # 5. the layer benchmark at the headline shape (670,091 labels, 16,384 inputs, 32, batch 32), float32 and bf16 inputs,
 # 6. Bibtex through the pipeline, seed 0, float32 and bf16-mixed (P@k against the CPU runs), if its files are carried
@@ -45,7 +46,7 @@ import time; t = time.time()
 from xmc_repro.sparse import build, op
 print(op.ensure_registered(), 'archs', build.cuda_archs(), f'first load (compile) {time.time() - t:.0f} s')"
 step tests 130 python3 -m pytest -m cuda ${TESTS:-tests} -q -p no:cacheprovider
-step model 120 python3 -m xmc_repro.bench --model --device cuda --out results/bench --steps 50
+step model 120 python3 -m xmc_repro.bench --model --device cuda --out results/bench --steps 50 --profile 10
 step layer 70 python3 -m xmc_repro.bench --device cuda --out results/bench --max-cases ${LAYER_CASES:-2} \
   --methods uniform,uniform-bf16,csr,dense
 step epoch 170 python3 -m xmc_repro dataset=synthetic_amazon670k dataset.num_train=${EPOCH_POINTS:-490449} \

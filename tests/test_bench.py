@@ -16,7 +16,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def test_model_step_benchmark_writes_both_models(tmp_path):
     assert bench.main(["--model", "--device", "cpu", "--scale", "0.0005", "--steps", "2", "--warmup", "0",
-                       "--out", str(tmp_path)]) == 0
+                       "--profile", "2", "--out", str(tmp_path)]) == 0
     (result,) = tmp_path.glob("cpu-model-scale*.json")
     rows = {(r["model"], r["way"]): r for r in json.loads(result.read_text())["results"]}
     assert set(rows) == {(m, w) for m in ("dense", "uniform") for w in ("eager", "lightning")}  # no graph on a CPU
@@ -30,6 +30,8 @@ def test_model_step_benchmark_writes_both_models(tmp_path):
             assert r["cuda_graph"] is False
     text = result.with_suffix(".md").read_text()
     assert "eager: uniform step" in text and "lightning: uniform step" in text
+    (profile,) = tmp_path.glob("cpu-model-scale*-profile.txt")
+    assert "== uniform, eager, 2 steps" in profile.read_text() and "xmc_sparse::forward" in profile.read_text()
 
 
 def test_layer_baselines_agree_with_the_reference():

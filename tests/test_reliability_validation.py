@@ -56,6 +56,8 @@ REFUSED = {
     # A dense model reads model.init only to compare it with "authors": a typo would train with torch's init.
     "init_unknown": (["model=dense", "model.init=keras"], "model.init='keras' is unknown; choose one of authors, fan_in"),
     "rewire_schedule_unknown": (["model.rewire_schedule=weekly"], "model.rewire_schedule='weekly' is unknown"),
+    "cuda_graph_word": (["trainer.cuda_graph=maybe"], "trainer.cuda_graph='maybe' must be true or false"),
+    "progress_bar_number": (["trainer.progress_bar=2"], "trainer.progress_bar=2 must be true or false"),
 }
 
 

@@ -423,6 +423,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--scale", type=float, default=None,
                     help="--model: shrink labels and intermediate layer by this factor (default 1 on a GPU, 0.02 on CPU)")
     ap.add_argument("--steps", type=int, default=None, help="--model: timed steps (default 50 on a GPU, 5 on CPU)")
+    ap.add_argument("--profile", type=int, default=0, metavar="STEPS",
+                    help="--model: also profile the uniform model's steps (torch.profiler) over STEPS steps")
     args = ap.parse_args(argv)
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     sparse_op.ensure_registered()
@@ -433,7 +435,7 @@ def main(argv: list[str] | None = None) -> int:
         scale = args.scale if args.scale is not None else (1.0 if on_gpu else 0.02)
         steps = args.steps or (50 if on_gpu else 5)
         return bench_model.run(device, scale, steps, args.warmup if args.warmup is not None else (5 if on_gpu else 1),
-                               Path(args.out))
+                               Path(args.out), args.profile)
     cases = paper_cases() if (args.full or device.type == "cuda") else cpu_cases()
     cases = cases[: args.max_cases] if args.max_cases else cases
     methods = set(args.methods.split(",")) if args.methods else None

@@ -291,7 +291,47 @@ def markdown(info: dict, rows: list[dict], scale: float) -> str:
     return "\n".join(lines) + "\n"
 
 
-def run(device, scale: float, steps: int, warmup: int, out: Path) -> int:
+def device_busy(prof) -> tuple[float, float]:
+    """(ms the device ran kernels or copies, ms from the first to the last of them) in a profile."""
+    from torch.autograd import DeviceType
+
+    spans = sorted((e.time_range.start, e.time_range.end) for e in prof.events() if e.device_type == DeviceType.CUDA)
+    busy, end = 0.0, None
+    for start, stop in spans:  # the union of the intervals (kernels on several streams may overlap)
+        if end is None or start > end:
+            busy, end = busy + stop - start, stop
+        elif stop > end:
+            busy, end = busy + stop - end, stop
+    return busy / 1e3, (spans[-1][1] - spans[0][0]) / 1e3 if spans else 0.0
+
+
+def profile(shape: ModelShape, device, way: str, steps: int, warmup: int) -> str:
+    """torch.profiler over ``steps`` steps of one model and way: how long the device was busy, and the top ops."""
+    from torch.profiler import ProfilerActivity
+
+    model = _model(shape, device)
+    optimizer = model.configure_optimizers()["optimizer"]
+    step, _ = (_graph_step if way == "graph" else _eager_step)(model, optimizer, *_batch(shape, device))
+    cuda = device.type == "cuda"
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    for _ in range(warmup + 1):
+        step()
+    sync()
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with torch.profiler.profile(activities=activities) as prof:
+        for _ in range(steps):
+            step()
+        sync()
+    head = f"== {shape.name}, {way}, {steps} steps"
+    if cuda:
+        busy, span = device_busy(prof)
+        head += f": device busy {busy / steps:.3f} ms per step of a {span / steps:.3f} ms span ({busy / span:.0%})"
+    table = prof.key_averages().table(sort_by="self_cuda_time_total" if cuda else "self_cpu_time_total",
+                                      row_limit=25, max_name_column_width=60)
+    return f"{head}\n{table}\n"
+
+
+def run(device, scale: float, steps: int, warmup: int, out: Path, profile_steps: int = 0) -> int:
     from xmc_repro.bench import copy_bandwidth, machine_info, slug
 
     info = machine_info(device, copy_bandwidth(device))
@@ -315,4 +355,9 @@ def run(device, scale: float, steps: int, warmup: int, out: Path) -> int:
     (out / f"{name}.md").write_text(text)
     print(f"wrote {out / name}.json and .md\n")
     print(text)
+    if profile_steps:
+        uniform = paper_models(scale)[1]
+        reports = [profile(uniform, device, way, profile_steps, warmup) for way in ways if way != "lightning"]
+        (out / f"{name}-profile.txt").write_text("".join(reports))
+        print("\n".join(r.splitlines()[0] for r in reports) + f"\n(tables in {out / name}-profile.txt)")
     return 0

@@ -30,7 +30,7 @@ PAPER_WIDTHS = (8192, 16384, 32768, 65536, 100000)
 # Columns that name a configuration, in runs.csv and the rendered tables.
 CONFIG_COLUMNS = (
     "table", "scale", "dataset", "features", "setup", "connectivity", "intermediate", "bottleneck", "mach_hashes",
-    "mach_buckets", "loss",
+    "mach_buckets", "loss", "precision",
 )  # fmt: skip
 NO_SCALE = "none"  # a run tagged with a table but launched without a scale
 
@@ -61,6 +61,9 @@ def configuration(params: dict, tags: dict) -> dict[str, str]:
         "mach_hashes": _value(params, "model/mach/num_hashes") if setup == "mach" else "",
         "mach_buckets": _value(params, "model/mach/num_buckets") if setup == "mach" else "",
         "loss": _value(params, "loss/name"),
+        # blank for float32, the default: a bf16-mixed run is another configuration, not another seed of it
+        "precision": "" if _value(params, "trainer/precision") in ("", "32", "32-true") else _value(
+            params, "trainer/precision"),
     }
 
 
