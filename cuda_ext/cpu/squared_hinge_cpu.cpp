@@ -58,12 +58,14 @@ std::tuple<at::Tensor, at::Tensor> squared_hinge_cpu(const at::Tensor& scores, c
   for (int64_t k = 0; k < positives.numel(); ++k) {
     TORCH_CHECK(pos[k] < n, "positives hold a position beyond the scores (>= batch * labels)");
   }
-  double loss = 0;
+  auto loss = scores.new_empty({});
   AT_DISPATCH_FLOATING_TYPES(scores.scalar_type(), "squared_hinge_cpu", [&] {
-    loss = squared_hinge_cpu_kernel<scalar_t>(scores.const_data_ptr<scalar_t>(), grad.mutable_data_ptr<scalar_t>(),
-                                              n, pos, positives.numel());
+    // Cast, not Scalar-converted: a sum beyond float's range is +inf (the non-finite loss watch stops the run),
+    // where new_full would throw.
+    *loss.mutable_data_ptr<scalar_t>() = static_cast<scalar_t>(squared_hinge_cpu_kernel<scalar_t>(
+        scores.const_data_ptr<scalar_t>(), grad.mutable_data_ptr<scalar_t>(), n, pos, positives.numel()));
   });
-  return {scores.new_full({}, loss), grad};
+  return {loss, grad};
 }
 
 }  // namespace
