@@ -281,8 +281,8 @@ def test_cuda_graph_replays_with_new_scores_and_positions():
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_a_loss_beyond_float_range_is_inf_not_an_error(device):
-    """Weights blown up by a huge learning rate: the loss must come out non-finite for the run's NaN watch."""
+def test_a_loss_beyond_float_range_is_non_finite_not_an_error(device):
+    """Weights blown up by a huge learning rate: the loss must come out inf or NaN for the run's NaN watch."""
     scores = torch.full((2, 3), 1e30, device=device)
     loss, grad = OPS.squared_hinge(scores, torch.tensor([0, 4], device=device))
-    assert loss.dtype == torch.float32 and torch.isinf(loss)
+    assert loss.dtype == torch.float32 and not torch.isfinite(loss)
