@@ -149,15 +149,22 @@ def test_lightning_fit_with_the_graph_matches_the_eager_fit(tmp_path):
     """Same seed, same data, dropout on: the graphed run's validation P@k is the eager run's, within noise."""
     import lightning.pytorch as pl
 
+    from xmc_repro.callbacks import Rewiring
+
     scores = {}
     for graphed in (False, True):
         pl.seed_everything(0, verbose=False)
         model = XMCClassifier(TINY["num_features"], TINY["num_labels"], head="uniform", connectivity=4,
                               intermediate=32, cuda_graph=graphed)
-        trainer = quiet_trainer(tmp_path, max_epochs=3, accelerator="cuda", devices=1)
-        trainer.fit(model, datamodule=build_datamodule(TINY, batch_size=16, seed=0, pin_memory=True))
+        trainer = quiet_trainer(tmp_path, max_epochs=3, accelerator="cuda", devices=1,
+                                callbacks=[Rewiring(0.1, every_n_steps=8)])
+        trainer.fit(model, datamodule=build_datamodule(TINY, batch_size=20, seed=0, pin_memory=True))
         assert (model._step_graph is not None) == graphed
         scores[graphed] = float(trainer.callback_metrics["val/p_at_1"])
+    # 3 epochs of 15 full batches. Released at each rewiring (after steps 1, 9, ..., 41) and validation (after 15
+    # and 30: the last one is at the end), each time captured again at the next step; the first step captures.
+    assert model._step_graph.captures == 1 + 6 + 2 and model._step_graph.graph is None
+    assert all(p.grad is None for p in model.parameters())
     assert abs(scores[True] - scores[False]) < 5.0, scores
 
 

@@ -56,6 +56,9 @@ class Rewiring(pl.Callback):
         if self.fraction <= 0:
             return
         optimizer = trainer.optimizers[0] if trainer.optimizers else None
+        release = getattr(pl_module, "release_step_graph", None)
+        if release is not None:  # rewiring's temporaries then take the graph's place in memory, not its side
+            release()
         for layer in pl_module.sparse_layers():
             slots = layer.rewire(self.fraction, self.generator, self.exact_count)
             state = optimizer.state.get(layer.weight, {}) if optimizer is not None else {}
