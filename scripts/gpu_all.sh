@@ -5,10 +5,12 @@
 # 2. runs every `cuda`-marked test,
 # 3. the whole-model step, dense beside uniform (eager, CUDA graph, Lightning), Amazon-670K shapes, and a profile
 #    of the uniform step (how long the device is busy per step, the top kernels),
-# 4. one full epoch of the pipeline at Amazon-670K's shape (uniform, 32k intermediate layer, graph step),
-# 5. the layer benchmark at the headline shape (670,091 labels, 16,384 inputs, 32, batch 32), float32 and bf16 inputs,
+# 4. the layer benchmark at the headline shape (670,091 labels, 16,384 inputs, 32, batch 32), float32 and bf16
+#    inputs, with the L2 read bandwidth,
+# 5. one full epoch of the pipeline at Amazon-670K's shape (uniform, 32k intermediate layer, graph step),
 # 6. Bibtex through the pipeline, seed 0, float32 and bf16-mixed (P@k against the CPU runs), if its files are carried
-#    in .gpu_data/Bibtex (XMC_SHARED_DATA).
+#    in .gpu_data/Bibtex (XMC_SHARED_DATA): mkdir -p .gpu_data/Bibtex && cp ../shared/data/Bibtex/*_xc.txt
+#    .gpu_data/Bibtex/ (.gpu_data and .whl listed in .git/info/exclude, both named in the call's carry).
 # Logs, results and the MLflow store are packed into $OUT/gpu_all.tgz (few files come back); a summary is printed
 # last. Each step has its own timeout, all share a deadline of BUDGET_S seconds, and a failing step does not stop
 # the next. hydra and mlflow: carry .whl/ from ../shared/gpu/wheels.sh.

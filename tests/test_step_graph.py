@@ -199,3 +199,24 @@ def test_the_training_loop_reads_no_tensor_back_per_step(tmp_path, monkeypatch, 
                             enable_progress_bar=bar == "progress")
     trainer.fit(model, datamodule=build_datamodule(TINY, batch_size=16, seed=0))
     assert trainer.num_training_batches > 10 and reads.reads == 0
+
+
+def test_a_failed_capture_leaves_the_run_training_eagerly(tmp_path):
+    """A capture that fails (an op that syncs, say) costs speed, not the run: the step falls back, with a warning."""
+    from xmc_repro.step_graph import CaptureError
+
+    class FailingGraph:
+        calls = 0
+
+        def step(self, x, positives):
+            FailingGraph.calls += 1
+            raise CaptureError("RuntimeError: operation not permitted when stream is capturing")
+
+    model = XMCClassifier(TINY["num_features"], TINY["num_labels"], head="uniform", connectivity=4, intermediate=32)
+    model._step_graph = FailingGraph()
+    before = [p.detach().clone() for p in model.parameters()]
+    trainer = quiet_trainer(tmp_path, max_steps=4, limit_val_batches=0, accelerator="cpu")
+    with pytest.warns(UserWarning, match="runs eagerly: its CUDA graph capture failed"):
+        trainer.fit(model, datamodule=build_datamodule(TINY, batch_size=16, seed=0))
+    assert FailingGraph.calls == 1 and model._step_graph is None and "not permitted" in model._graph_off
+    assert trainer.global_step == 4 and all(not torch.equal(a, b.detach()) for a, b in zip(before, model.parameters()))
