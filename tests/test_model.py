@@ -40,7 +40,7 @@ def test_bf16_mixed_precision_trains_with_an_intermediate_layer(tmp_path, head):
     trainer.fit(model, datamodule=build_datamodule(TINY, batch_size=16, seed=0))
     assert all(p.dtype == torch.float32 and torch.isfinite(p).all() for p in model.parameters())
     assert all(not torch.equal(a, b.detach()) for a, b in zip(before, model.parameters()))
-    assert torch.isfinite(trainer.callback_metrics["train/loss"])
+    assert torch.isfinite(trainer.callback_metrics["train/loss_epoch"])
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.float64])
@@ -67,3 +67,42 @@ def test_summary_keeps_the_mlflow_ui_command_on_one_line(capsys):
     assert f"MLflow run {'0' * 32}; browse with: {ui}" in lines
     assert any(line.endswith("| device: NVIDIA H200 [0]") and line.startswith("peak GPU memory: 0.853 GiB")
                for line in lines)
+
+
+def test_the_loss_reaches_the_logger_as_lightning_would_write_it(tmp_path):
+    """`train/loss_step` at every log_every_n_steps-th step with that step's loss; `train/loss_epoch` = the epoch's
+    mean of the step losses weighted by batch size (the model logs neither at other steps: self.log is slow)."""
+    from lightning.pytorch.loggers import Logger
+
+    class Recorder(Logger):
+        name, version = "recorder", "0"
+        metrics: list = []
+
+        @property
+        def experiment(self):
+            return None
+
+        def log_hyperparams(self, params, *args, **kwargs):
+            pass
+
+        def log_metrics(self, metrics, step=None):
+            self.metrics.append((step, dict(metrics)))
+
+    class Losses(pl.Callback):
+        seen: list = []
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            self.seen.append((float(outputs["loss"]), batch[0].shape[0]))
+
+    torch.manual_seed(0)
+    model = XMCClassifier(TINY["num_features"], TINY["num_labels"], head="uniform", connectivity=4, intermediate=32)
+    recorder, losses = Recorder(), Losses()
+    trainer = quiet_trainer(tmp_path, max_epochs=1, limit_val_batches=1, logger=recorder, log_every_n_steps=4,
+                            callbacks=[losses])
+    trainer.fit(model, datamodule=build_datamodule(TINY, batch_size=16, seed=0))
+    steps = {step: m["train/loss_step"] for step, m in recorder.metrics if "train/loss_step" in m}
+    assert sorted(steps) == [3, 7, 11, 15]
+    assert all(abs(steps[s] - losses.seen[s][0]) < 1e-6 for s in steps)
+    (epoch_loss,) = [m["train/loss_epoch"] for _, m in recorder.metrics if "train/loss_epoch" in m]
+    want = sum(loss * n for loss, n in losses.seen) / sum(n for _, n in losses.seen)
+    assert abs(epoch_loss - want) < 1e-6
