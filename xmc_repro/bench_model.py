@@ -153,12 +153,17 @@ def _graph_step(model, optimizer, x, ptr, idx):
     return step, ("positives", "forward+loss+backward", "optimizer")
 
 
-def measure(shape: ModelShape, device, steps: int, warmup: int, way: str = "eager") -> dict:
-    """One model's step, timed the ``eager`` or the ``graph`` way."""
+def _stepper(shape: ModelShape, device, way: str):
+    """(model, optimizer, step, phase names) of one model's ``eager`` or ``graph`` step on a fixed batch."""
     model = _model(shape, device)
     optimizer = model.configure_optimizers()["optimizer"]
-    x, ptr, idx = _batch(shape, device)
-    step, phases = (_graph_step if way == "graph" else _eager_step)(model, optimizer, x, ptr, idx)
+    step, phases = (_graph_step if way == "graph" else _eager_step)(model, optimizer, *_batch(shape, device))
+    return model, optimizer, step, phases
+
+
+def measure(shape: ModelShape, device, steps: int, warmup: int, way: str = "eager") -> dict:
+    """One model's step, timed the ``eager`` or the ``graph`` way."""
+    model, optimizer, step, phases = _stepper(shape, device, way)
     if device.type == "cuda":  # the peak includes the warm-up: the graph's capture is its first step
         torch.cuda.reset_peak_memory_stats(device)
     for _ in range(warmup + (1 if way == "graph" else 0)):
@@ -309,9 +314,7 @@ def profile(shape: ModelShape, device, way: str, steps: int, warmup: int) -> str
     """torch.profiler over ``steps`` steps of one model and way: how long the device was busy, and the top ops."""
     from torch.profiler import ProfilerActivity
 
-    model = _model(shape, device)
-    optimizer = model.configure_optimizers()["optimizer"]
-    step, _ = (_graph_step if way == "graph" else _eager_step)(model, optimizer, *_batch(shape, device))
+    _, _, step, _ = _stepper(shape, device, way)
     cuda = device.type == "cuda"
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     for _ in range(warmup + 1):
