@@ -4,7 +4,8 @@
 # 1. builds the CPU+CUDA kernels (XMC_SPARSE_BACKEND=compiled: a failed CUDA build is an error here),
 # 2. runs every `cuda`-marked test,
 # 3. the whole-model step, dense beside uniform (eager, CUDA graph, Lightning), Amazon-670K shapes, and a profile
-#    of the uniform step (how long the device is busy per step, the top kernels),
+#    of the uniform step each way (the device's idle time per step and what the host did meanwhile, the top
+#    kernels, a Chrome trace),
 # 4. the layer benchmark at the headline shape (670,091 labels, 16,384 inputs, 32, batch 32), float32 and bf16
 #    inputs, with the L2 read bandwidth,
 # 5. one full epoch of the pipeline at Amazon-670K's shape (uniform, 32k intermediate layer, graph step),
@@ -48,7 +49,7 @@ import time; t = time.time()
 from xmc_repro.sparse import build, op
 print(op.ensure_registered(), 'archs', build.cuda_archs(), f'first load (compile) {time.time() - t:.0f} s')"
 step tests 130 python3 -m pytest -m cuda ${TESTS:-tests} -q -p no:cacheprovider
-step model 120 python3 -m xmc_repro.bench --model --device cuda --out results/bench --steps 50 --profile 10
+step model 150 python3 -m xmc_repro.bench --model --device cuda --out results/bench --steps 50 --profile 10
 step layer 70 python3 -m xmc_repro.bench --device cuda --out results/bench --max-cases ${LAYER_CASES:-2} \
   --methods uniform,uniform-bf16,csr,dense
 step epoch 170 python3 -m xmc_repro dataset=synthetic_amazon670k dataset.num_train=${EPOCH_POINTS:-490449} \
@@ -68,6 +69,7 @@ echo "================ summary ================"
 printf '%s\n' "${status[@]}"
 grep -E "passed|failed|error" "$LOGS/tests.log" | tail -3
 sed -n '/^| model /,$p' "$LOGS/model.log"
+cat results/bench/*-model-profile.txt 2>/dev/null | grep -E "^==|^device span|^host during|^  +[0-9.]+  |^blocking"
 grep -E "peak GPU|seconds per epoch|test " "$LOGS/epoch.log" | tail -4
 sed -n '/^case /,$p' "$LOGS/layer.log"
 for p in 32-true bf16-mixed; do [ -f "$LOGS/bibtex-$p.log" ] && grep -E "test|seconds per epoch" "$LOGS/bibtex-$p.log" | tail -3; done

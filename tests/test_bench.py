@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from xmc_repro import bench
+from xmc_repro import bench, trace_gaps
 from xmc_repro.sparse import reference
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -24,6 +24,7 @@ def test_model_step_benchmark_writes_both_models(tmp_path):
     for (model, way), r in rows.items():
         assert r["step_ms"] > 0
         if way == "eager":
+            assert len(r["step_ms_windows"]) == 2 and min(r["step_ms_windows"]) <= r["step_ms"]
             assert list(r["phases"]) == ["forward", "loss", "backward", "optimizer"]
             assert all(device_ms > 0 for _, device_ms in r["phases"].values()) and r["param_optimizer_gib"] > 0
         else:
@@ -32,6 +33,10 @@ def test_model_step_benchmark_writes_both_models(tmp_path):
     assert "eager: uniform step" in text and "lightning: uniform step" in text
     (profile,) = tmp_path.glob("cpu-model-scale*-profile.txt")
     assert "== uniform, eager, 2 steps" in profile.read_text() and "xmc_sparse::forward" in profile.read_text()
+    for way, phase in (("eager", "forward"), ("lightning", "training_step")):  # the 2 profiled steps, annotated
+        (trace,) = tmp_path.glob(f"cpu-model-scale*-trace-{way}.json.gz")
+        phases = [e["name"] for e in trace_gaps.load(trace) if e.get("cat") == "user_annotation"]
+        assert phases.count(phase) == 2, (way, phases)
 
 
 def test_layer_baselines_agree_with_the_reference():

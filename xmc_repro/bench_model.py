@@ -14,14 +14,20 @@ Each model is timed three ways, in one run on one device:
   validation or progress bar), with the model's default step (the graph on CUDA).
 
 Reported per model and way:
-* ``step ms``: wall time per step (one sync at the end);
-* per phase: ``host ms`` = time to issue it, ``device ms`` = its span on the device (CUDA events; on a CPU both
-  are the same synchronous time); ``host overhead ms`` = step ms minus the phases' device time;
+* ``step ms``: wall time per step, timed in 5 consecutive windows (one sync each; the slowest and fastest window
+  are reported too, so a stall shows);
+* per phase, from steps that each end with a sync: ``host ms`` = time to issue it, ``device ms`` = its span on
+  the device (CUDA events; it includes waits for the host's launches; on a CPU both are the same synchronous
+  time); ``host overhead ms`` = step ms minus the phases' device time;
 * memory: peak allocated during the steps (GPU); parameter + optimizer state bytes (CPU);
 * on a GPU, ``syncs_per_step``: where a step makes the host wait for the device (should be empty).
+
+``--profile N`` adds a torch.profiler run of the uniform model's steps for each way: the top ops, the Chrome
+trace, and on a GPU the device's idle time per step with what the host did meanwhile (``xmc_repro.trace_gaps``).
 """
 from __future__ import annotations
 
+import contextlib
 import gc
 import json
 import os
@@ -63,27 +69,38 @@ def _batch(shape: ModelShape, device, seed: int = 0):
 
 
 class _Clock:
-    """Marks phase boundaries on the host (perf_counter) and on the device (CUDA events)."""
+    """Marks phase boundaries on the host (perf_counter) and on the device (CUDA events): ``with clock(name):``."""
 
     def __init__(self, device):
         self.cuda = device.type == "cuda"
         self.host: list[float] = []
         self.events: list = []
 
-    def mark(self):
+    def _mark(self):
         self.host.append(time.perf_counter())
         if self.cuda:
             event = torch.cuda.Event(enable_timing=True)
             event.record()
             self.events.append(event)
 
+    @contextlib.contextmanager
+    def __call__(self, phase: str):
+        if not self.host:
+            self._mark()
+        yield
+        self._mark()
+
     def spans(self) -> tuple[list[float], list[float]]:
-        """(host ms, device ms) between consecutive marks."""
+        """(host ms, device ms) of the phases, in order."""
         host = [(b - a) * 1e3 for a, b in zip(self.host, self.host[1:])]
         if not self.cuda:
             return host, host
         self.events[-1].synchronize()
         return host, [a.elapsed_time(b) for a, b in zip(self.events, self.events[1:])]
+
+
+def _no_phase(name: str):
+    return contextlib.nullcontext()
 
 
 def device_syncs(step) -> list[str]:
@@ -118,18 +135,16 @@ def _model(shape: ModelShape, device, **settings):
 
 
 def _eager_step(model, optimizer, x, ptr, idx):
-    def step(clock: _Clock | None = None):
-        mark = clock.mark if clock else (lambda: None)
-        mark()
-        scores = model(x)
-        mark()
-        loss = model.loss_fn(scores, ptr, idx)
-        mark()
-        loss.backward()
-        mark()
-        optimizer.step()
-        model.zero_grad(set_to_none=True)
-        mark()
+    def step(phase=_no_phase):
+        with phase("forward"):
+            scores = model(x)
+        with phase("loss"):
+            loss = model.loss_fn(scores, ptr, idx)
+        with phase("backward"):
+            loss.backward()
+        with phase("optimizer"):
+            optimizer.step()
+            model.zero_grad(set_to_none=True)
     return step, ("forward", "loss", "backward", "optimizer")
 
 
@@ -139,17 +154,15 @@ def _graph_step(model, optimizer, x, ptr, idx):
 
     graph = StepGraph(model, loss_from_positions(model.loss_fn))
 
-    def step(clock: _Clock | None = None):
-        mark = clock.mark if clock else (lambda: None)
-        mark()
-        positives = positive_positions(ptr, idx, model.hparams.num_labels, x.device)
-        mark()
-        graph.step(x, positives)
-        graph.attach_grads()
-        mark()
-        optimizer.step()
-        model.zero_grad(set_to_none=True)
-        mark()
+    def step(phase=_no_phase):
+        with phase("positives"):
+            positives = positive_positions(ptr, idx, model.hparams.num_labels, x.device)
+        with phase("forward+loss+backward"):
+            graph.step(x, positives)
+            graph.attach_grads()
+        with phase("optimizer"):
+            optimizer.step()
+            model.zero_grad(set_to_none=True)
     return step, ("positives", "forward+loss+backward", "optimizer")
 
 
@@ -168,13 +181,8 @@ def measure(shape: ModelShape, device, steps: int, warmup: int, way: str = "eage
         torch.cuda.reset_peak_memory_stats(device)
     for _ in range(warmup + (1 if way == "graph" else 0)):
         step()
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    sync()
-    start = time.perf_counter()
-    for _ in range(steps):
-        step()
-    sync()
-    step_ms = (time.perf_counter() - start) * 1e3 / steps
+    windows = _timed_windows(step, steps, device)
+    step_ms = sum(windows) / len(windows)
     host, dev = [[] for _ in phases], [[] for _ in phases]
     for _ in range(steps):
         clock = _Clock(device)
@@ -185,6 +193,7 @@ def measure(shape: ModelShape, device, steps: int, warmup: int, way: str = "eage
             dev[i].append(d[i])
     median = lambda v: sorted(v)[len(v) // 2]  # noqa: E731
     row = _row(shape, model, way, step_ms)
+    row["step_ms_windows"] = windows
     row["phases"] = {phase: [median(host[i]), median(dev[i])] for i, phase in enumerate(phases)}
     row["host_overhead_ms"] = max(0.0, step_ms - sum(d for _, d in row["phases"].values()))
     if device.type == "cuda":
@@ -194,6 +203,22 @@ def measure(shape: ModelShape, device, steps: int, warmup: int, way: str = "eage
     return row
 
 
+def _timed_windows(step, steps: int, device, windows: int = 5) -> list[float]:
+    """Milliseconds per step in consecutive windows of the ``steps`` steps (one sync per window): a stall, such as
+    a garbage collection, shows as one slow window instead of raising every step's time unseen."""
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    sizes = [steps // windows + (i < steps % windows) for i in range(min(windows, steps))]
+    out = []
+    for size in sizes:
+        sync()
+        start = time.perf_counter()
+        for _ in range(size):
+            step()
+        sync()
+        out.append((time.perf_counter() - start) * 1e3 / size)
+    return out
+
+
 def _row(shape: ModelShape, model, way: str, step_ms: float) -> dict:
     return {"model": shape.name, "way": way, "head": shape.head, "features": shape.features, "labels": shape.labels,
             "intermediate": shape.intermediate,
@@ -201,16 +226,29 @@ def _row(shape: ModelShape, model, way: str, step_ms: float) -> dict:
             "parameters": sum(p.numel() for p in model.parameters()), "step_ms": step_ms}
 
 
-def measure_lightning(shape: ModelShape, device, steps: int, warmup: int) -> dict:
-    """Wall time per step of ``Trainer.fit`` with the pipeline's module (its default step), and its syncs."""
+def measure_lightning(shape: ModelShape, device, steps: int, warmup: int, profiler=None) -> dict:
+    """Wall time per step of ``Trainer.fit`` with the pipeline's module (its default step), and its syncs.
+
+    A torch ``profiler`` given here records the timed steps, with the training step and the optimizer step
+    (which runs the training step and backward in its closure) annotated."""
     import lightning.pytorch as pl
     from torch.utils.data import DataLoader
 
     from xmc_repro.model import XMCClassifier
 
+    phase = torch.profiler.record_function if profiler is not None else _no_phase
+
     class Module(XMCClassifier):
         def configure_optimizers(self):  # no validation here, so no plateau scheduler
             return super().configure_optimizers()["optimizer"]
+
+        def training_step(self, batch, batch_idx):
+            with phase("training_step"):
+                return super().training_step(batch, batch_idx)
+
+        def optimizer_step(self, *args, **kwargs):
+            with phase("optimizer_step"):
+                return super().optimizer_step(*args, **kwargs)
 
     cuda = device.type == "cuda"
     sync = torch.cuda.synchronize if cuda else (lambda: None)
@@ -222,6 +260,8 @@ def measure_lightning(shape: ModelShape, device, steps: int, warmup: int) -> dic
             if batch_idx == warmup - 1:
                 sync()
                 self.start = time.perf_counter()
+                if profiler is not None:
+                    profiler.start()
                 if cuda:  # from here to the next batch's end: the data transfer, every hook and the step
                     self.watch = warnings.catch_warnings(record=True)
                     self.caught = self.watch.__enter__()
@@ -235,6 +275,8 @@ def measure_lightning(shape: ModelShape, device, steps: int, warmup: int) -> dic
         def on_train_end(self, trainer, pl_module):
             sync()
             self.end = time.perf_counter()
+            if profiler is not None:
+                profiler.stop()
 
     torch.manual_seed(0)
     model = Module(shape.features, shape.labels, head=shape.head, connectivity=shape.connectivity,
@@ -266,18 +308,21 @@ def markdown(info: dict, rows: list[dict], scale: float) -> str:
              f"torch {info['torch']} (CUDA {info['cuda']}), sparse backend `{info['sparse_backend']}`, {info['date']}"
              + (f", load average {info['load_average_1min']} during the run" if "load_average_1min" in info else "")
              + ". "
-             f"Amazon-670K's shapes scaled by {scale:g}; batch 32. Medians in ms; per phase `host / device` = time "
-             "to issue it / its span on the device; `overhead` = step minus the phases' device time.", "",
-             "| model | way | labels | intermediate | parameters | step ms | phases: host / device ms | overhead ms "
-             "| peak GiB | params+Adam GiB |",
-             "|---|---|---:|---:|---:|---:|---|---:|---:|---:|"]
+             f"Amazon-670K's shapes scaled by {scale:g}; batch 32. Times in ms; `step ms` = mean over all timed "
+             "steps, `windows` = the fastest and slowest of 5 consecutive windows of them; per phase (medians) "
+             "`host / device` = time to issue it / its span on the device; `overhead` = step minus the phases' device time.", "",
+             "| model | way | labels | intermediate | parameters | step ms | windows ms | phases: host / device ms "
+             "| overhead ms | peak GiB | params+Adam GiB |",
+             "|---|---|---:|---:|---:|---:|---:|---|---:|---:|---:|"]
     for r in rows:
         phases = "; ".join(f"{p} {h:.3f} / {d:.3f}" for p, (h, d) in r.get("phases", {}).items())
         if r["way"] == "lightning":
             phases = "Trainer.fit" + (", CUDA graph" if r.get("cuda_graph") else ", eager")
         fmt = lambda key: f"{r[key]:.3f}" if key in r else ""  # noqa: E731
+        windows = f"{min(r['step_ms_windows']):.3f}–{max(r['step_ms_windows']):.3f}" if "step_ms_windows" in r else ""
         lines.append(f"| {r['model']} | {r['way']} | {r['labels']:,} | {r['intermediate'] or ''} | "
-                     f"{r['parameters'] / 1e6:.1f}M | {r['step_ms']:.3f} | {phases} | {fmt('host_overhead_ms')} | "
+                     f"{r['parameters'] / 1e6:.1f}M | {r['step_ms']:.3f} | {windows} | {phases} | "
+                     f"{fmt('host_overhead_ms')} | "
                      f"{fmt('peak_gib')} | {fmt('param_optimizer_gib')} |")
     for r in rows:
         if "syncs_per_step" in r:
@@ -296,42 +341,33 @@ def markdown(info: dict, rows: list[dict], scale: float) -> str:
     return "\n".join(lines) + "\n"
 
 
-def device_busy(prof) -> tuple[float, float]:
-    """(ms the device ran kernels or copies, ms from the first to the last of them) in a profile."""
-    from torch.autograd import DeviceType
+def profile(shape: ModelShape, device, way: str, steps: int, warmup: int, trace: Path) -> tuple[str, str]:
+    """torch.profiler over ``steps`` steps of one model and way: the top ops and, on a GPU, where and why the device
+    idles (``xmc_repro.trace_gaps``), as (summary, table). The Chrome trace is kept in ``trace`` (open it in Perfetto)."""
+    from torch.profiler import ProfilerActivity, record_function
 
-    spans = sorted((e.time_range.start, e.time_range.end) for e in prof.events() if e.device_type == DeviceType.CUDA)
-    busy, end = 0.0, None
-    for start, stop in spans:  # the union of the intervals (kernels on several streams may overlap)
-        if end is None or start > end:
-            busy, end = busy + stop - start, stop
-        elif stop > end:
-            busy, end = busy + stop - end, stop
-    return busy / 1e3, (spans[-1][1] - spans[0][0]) / 1e3 if spans else 0.0
+    from xmc_repro import trace_gaps
 
-
-def profile(shape: ModelShape, device, way: str, steps: int, warmup: int) -> str:
-    """torch.profiler over ``steps`` steps of one model and way: how long the device was busy, and the top ops."""
-    from torch.profiler import ProfilerActivity
-
-    _, _, step, _ = _stepper(shape, device, way)
     cuda = device.type == "cuda"
-    sync = torch.cuda.synchronize if cuda else (lambda: None)
-    for _ in range(warmup + 1):
-        step()
-    sync()
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
-    with torch.profiler.profile(activities=activities) as prof:
-        for _ in range(steps):
+    prof = torch.profiler.profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else []))
+    if way == "lightning":
+        measure_lightning(shape, device, steps, max(warmup, 2), profiler=prof)
+    else:
+        _, _, step, _ = _stepper(shape, device, way)
+        sync = torch.cuda.synchronize if cuda else (lambda: None)
+        for _ in range(warmup + 1):
             step()
         sync()
-    head = f"== {shape.name}, {way}, {steps} steps"
-    if cuda:
-        busy, span = device_busy(prof)
-        head += f": device busy {busy / steps:.3f} ms per step of a {span / steps:.3f} ms span ({busy / span:.0%})"
+        with prof:
+            for _ in range(steps):
+                step(record_function)
+            sync()
+    prof.export_chrome_trace(str(trace))
+    head = f"== {shape.name}, {way}, {steps} steps (trace: {trace.name})"
+    gaps = trace_gaps.report(trace_gaps.load(trace), steps) if cuda else ""
     table = prof.key_averages().table(sort_by="self_cuda_time_total" if cuda else "self_cpu_time_total",
                                       row_limit=25, max_name_column_width=60)
-    return f"{head}\n{table}\n"
+    return f"{head}\n{gaps}", f"{table}\n"
 
 
 def run(device, scale: float, steps: int, warmup: int, out: Path, profile_steps: int = 0) -> int:
@@ -360,7 +396,8 @@ def run(device, scale: float, steps: int, warmup: int, out: Path, profile_steps:
     print(text)
     if profile_steps:
         uniform = paper_models(scale)[1]
-        reports = [profile(uniform, device, way, profile_steps, warmup) for way in ways if way != "lightning"]
-        (out / f"{name}-profile.txt").write_text("".join(reports))
-        print("\n".join(r.splitlines()[0] for r in reports) + f"\n(tables in {out / name}-profile.txt)")
+        reports = [profile(uniform, device, way, profile_steps, warmup, out / f"{name}-trace-{way}.json.gz")
+                   for way in ways]
+        (out / f"{name}-profile.txt").write_text("".join(summary + table for summary, table in reports))
+        print("".join(summary for summary, _ in reports) + f"(tables in {out / name}-profile.txt)")
     return 0
