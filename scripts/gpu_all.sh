@@ -3,19 +3,23 @@
 #   bash scripts/gpu_all.sh
 # 1. builds the CPU+CUDA kernels (XMC_SPARSE_BACKEND=compiled: a failed CUDA build is an error here),
 # 2. runs every `cuda`-marked test,
-# 3. the whole-model step, dense beside uniform (eager, CUDA graph, Lightning), Amazon-670K shapes, and a profile
+# 3. the whole-model step, dense beside uniform (eager, CUDA graph, Lightning; 32-true and bf16-mixed), Amazon-670K
+#    shapes, and a profile
 #    of the uniform step each way (the device's idle time per step and what the host did meanwhile, the top
 #    kernels, a Chrome trace),
 # 4. the layer benchmark at the headline shape (670,091 labels, 16,384 inputs, 32, batch 32), float32 and bf16
 #    inputs, with the L2 read bandwidth,
-# 5. one full epoch of the pipeline at Amazon-670K's shape (uniform, 32k intermediate layer, graph step),
-# 6. Bibtex through the pipeline, seed 0, float32 and bf16-mixed (P@k against the CPU runs), if its files are carried
+# 5. one full epoch of the pipeline at Amazon-670K's shape (uniform, 32k intermediate layer, graph step), at each
+#    of EPOCH_PRECISIONS (default "32-true bf16-mixed"; the deadline skips what does not fit),
+# 6. with BIBTEX=1: Bibtex through the pipeline, seed 0, float32 and bf16-mixed (P@k against the CPU runs; measured
+#    on an H200 at 17de686, README), if its files are carried
 #    in .gpu_data/Bibtex (XMC_SHARED_DATA): mkdir -p .gpu_data/Bibtex && cp ../shared/data/Bibtex/*_xc.txt
 #    .gpu_data/Bibtex/ (.gpu_data and .whl listed in .git/info/exclude, both named in the call's carry).
 # Logs, results and the MLflow store are packed into $OUT/gpu_all.tgz (few files come back); a summary is printed
 # last. Each step has its own timeout, all share a deadline of BUDGET_S seconds, and a failing step does not stop
 # the next. hydra and mlflow: carry .whl/ from ../shared/gpu/wheels.sh.
-# A shorter call: BUDGET_S=240 EPOCH_POINTS=100000 TESTS="tests/test_step_graph.py ..." BIBTEX=0 bash scripts/gpu_all.sh
+# A shorter call: BUDGET_S=240 EPOCH_POINTS=100000 EPOCH_PRECISIONS=32-true TESTS="tests/test_step_graph.py ..." \
+#   bash scripts/gpu_all.sh
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-/tmp/xmc_gpu_all}"
@@ -49,13 +53,15 @@ import time; t = time.time()
 from xmc_repro.sparse import build, op
 print(op.ensure_registered(), 'archs', build.cuda_archs(), f'first load (compile) {time.time() - t:.0f} s')"
 step tests 130 python3 -m pytest -m cuda ${TESTS:-tests} -q -p no:cacheprovider
-step model 150 python3 -m xmc_repro.bench --model --device cuda --out results/bench --steps 50 --profile 10
+step model 240 python3 -m xmc_repro.bench --model --device cuda --out results/bench --steps 50 --profile 10
 step layer 70 python3 -m xmc_repro.bench --device cuda --out results/bench --max-cases ${LAYER_CASES:-2} \
   --methods uniform,uniform-bf16,csr,dense
-step epoch 170 python3 -m xmc_repro dataset=synthetic_amazon670k dataset.num_train=${EPOCH_POINTS:-490449} \
-  dataset.num_test=10000 trainer.max_epochs=1 \
-  trainer.progress_bar=false trainer.train_eval_max_points=10000 table=gpu_check model=uniform model.intermediate=32768
-if [ -n "${XMC_SHARED_DATA:-}" ] && [ "${BIBTEX:-1}" = 1 ]; then
+for precision in ${EPOCH_PRECISIONS:-32-true bf16-mixed}; do
+  step "epoch-$precision" 170 python3 -m xmc_repro dataset=synthetic_amazon670k dataset.num_train=${EPOCH_POINTS:-490449} \
+    dataset.num_test=10000 trainer.max_epochs=1 trainer.precision=$precision \
+    trainer.progress_bar=false trainer.train_eval_max_points=10000 table=gpu_check model=uniform model.intermediate=32768
+done
+if [ -n "${XMC_SHARED_DATA:-}" ] && [ "${BIBTEX:-0}" = 1 ]; then
   for precision in 32-true bf16-mixed; do
     step "bibtex-$precision" 60 python3 -m xmc_repro dataset=bibtex model=uniform model.intermediate=1024 seed=0 \
       trainer.progress_bar=false trainer.precision=$precision table=gpu_check
@@ -70,6 +76,6 @@ printf '%s\n' "${status[@]}"
 grep -E "passed|failed|error" "$LOGS/tests.log" | tail -3
 sed -n '/^| model /,$p' "$LOGS/model.log"
 cat results/bench/*-model-profile.txt 2>/dev/null | grep -E "^==|^device span|^host during|^  +[0-9.]+  |^blocking"
-grep -E "peak GPU|seconds per epoch|test " "$LOGS/epoch.log" | tail -4
+for p in 32-true bf16-mixed; do [ -f "$LOGS/epoch-$p.log" ] && grep -E "^epoch |peak GPU|MLflow run" "$LOGS/epoch-$p.log" | tail -3; done
 sed -n '/^case /,$p' "$LOGS/layer.log"
 for p in 32-true bf16-mixed; do [ -f "$LOGS/bibtex-$p.log" ] && grep -E "test|seconds per epoch" "$LOGS/bibtex-$p.log" | tail -3; done

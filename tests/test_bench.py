@@ -6,6 +6,7 @@ import json
 import re
 from pathlib import Path
 
+import pytest
 import torch
 
 from xmc_repro import bench, trace_gaps
@@ -16,12 +17,13 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def test_model_step_benchmark_writes_both_models(tmp_path):
     assert bench.main(["--model", "--device", "cpu", "--scale", "0.0005", "--steps", "2", "--warmup", "0",
-                       "--profile", "2", "--out", str(tmp_path)]) == 0
+                       "--profile", "2", "--precision", "32-true,bf16-mixed", "--out", str(tmp_path)]) == 0
     (result,) = tmp_path.glob("cpu-model-scale*.json")
-    rows = {(r["model"], r["way"]): r for r in json.loads(result.read_text())["results"]}
-    assert set(rows) == {(m, w) for m in ("dense", "uniform") for w in ("eager", "lightning")}  # no graph on a CPU
-    assert rows["uniform", "eager"]["intermediate"] == 32 and rows["dense", "eager"]["labels"] == 335
-    for (model, way), r in rows.items():
+    rows = {(r["model"], r["way"], r["precision"]): r for r in json.loads(result.read_text())["results"]}
+    assert set(rows) == {(m, w, p) for m in ("dense", "uniform") for w in ("eager", "lightning")  # no graph on a CPU
+                         for p in ("32-true", "bf16-mixed")}
+    assert rows["uniform", "eager", "32-true"]["intermediate"] == 32 and rows["dense", "eager", "32-true"]["labels"] == 335
+    for (model, way, _), r in rows.items():
         assert r["step_ms"] > 0
         if way == "eager":
             assert len(r["step_ms_windows"]) == 2 and min(r["step_ms_windows"]) <= r["step_ms"]
@@ -30,13 +32,19 @@ def test_model_step_benchmark_writes_both_models(tmp_path):
         else:
             assert r["cuda_graph"] is False
     text = result.with_suffix(".md").read_text()
-    assert "eager: uniform step" in text and "lightning: uniform step" in text
+    assert "eager, bf16-mixed: uniform step" in text and "lightning, 32-true: uniform step" in text
     (profile,) = tmp_path.glob("cpu-model-scale*-profile.txt")
-    assert "== uniform, eager, 2 steps" in profile.read_text() and "xmc_sparse::forward" in profile.read_text()
+    assert "== uniform, eager, bf16-mixed, 2 steps" in profile.read_text() and "xmc_sparse::forward" in profile.read_text()
     for way, phase in (("eager", "forward"), ("lightning", "training_step")):  # the 2 profiled steps, annotated
-        (trace,) = tmp_path.glob(f"cpu-model-scale*-trace-{way}.json.gz")
+        (trace,) = tmp_path.glob(f"cpu-model-scale*-trace-{way}-32-true.json.gz")
         phases = [e["name"] for e in trace_gaps.load(trace) if e.get("cat") == "user_annotation"]
         assert phases.count(phase) == 2, (way, phases)
+
+
+def test_model_step_benchmark_refuses_an_unknown_precision(capsys):
+    with pytest.raises(SystemExit):
+        bench.main(["--model", "--device", "cpu", "--precision", "16-mixed"])
+    assert "--precision: 16-mixed is not one of 32-true, bf16-mixed" in capsys.readouterr().err
 
 
 def test_layer_baselines_agree_with_the_reference():

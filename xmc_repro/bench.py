@@ -425,6 +425,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=None, help="--model: timed steps (default 50 on a GPU, 5 on CPU)")
     ap.add_argument("--profile", type=int, default=0, metavar="STEPS",
                     help="--model: also profile the uniform model's steps (torch.profiler) over STEPS steps")
+    ap.add_argument("--precision", default=None,
+                    help="--model: comma list of 32-true, bf16-mixed (default both on a GPU, 32-true on CPU)")
     args = ap.parse_args(argv)
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     sparse_op.ensure_registered()
@@ -434,8 +436,12 @@ def main(argv: list[str] | None = None) -> int:
 
         scale = args.scale if args.scale is not None else (1.0 if on_gpu else 0.02)
         steps = args.steps or (50 if on_gpu else 5)
+        precisions = tuple((args.precision or ("32-true,bf16-mixed" if on_gpu else "32-true")).split(","))
+        unknown = set(precisions) - {"32-true", "bf16-mixed"}
+        if unknown:
+            ap.error(f"--precision: {', '.join(sorted(unknown))} is not one of 32-true, bf16-mixed")
         return bench_model.run(device, scale, steps, args.warmup if args.warmup is not None else (5 if on_gpu else 1),
-                               Path(args.out), args.profile)
+                               Path(args.out), args.profile, precisions)
     cases = paper_cases() if (args.full or device.type == "cuda") else cpu_cases()
     cases = cases[: args.max_cases] if args.max_cases else cases
     methods = set(args.methods.split(",")) if args.methods else None

@@ -134,11 +134,16 @@ def _model(shape: ModelShape, device, **settings):
     return model
 
 
-def _eager_step(model, optimizer, x, ptr, idx):
+def _autocast(device, precision: str):
+    """The autocast Lightning's ``precision`` runs a training step under (none at 32-true)."""
+    return torch.autocast(device.type, dtype=torch.bfloat16, enabled=precision == "bf16-mixed")
+
+
+def _eager_step(model, optimizer, x, ptr, idx, precision):
     def step(phase=_no_phase):
-        with phase("forward"):
+        with phase("forward"), _autocast(x.device, precision):
             scores = model(x)
-        with phase("loss"):
+        with phase("loss"), _autocast(x.device, precision):
             loss = model.loss_fn(scores, ptr, idx)
         with phase("backward"):
             loss.backward()
@@ -148,7 +153,7 @@ def _eager_step(model, optimizer, x, ptr, idx):
     return step, ("forward", "loss", "backward", "optimizer")
 
 
-def _graph_step(model, optimizer, x, ptr, idx):
+def _graph_step(model, optimizer, x, ptr, idx, precision):
     from xmc_repro.losses import positive_positions
     from xmc_repro.step_graph import StepGraph, loss_from_positions
 
@@ -158,7 +163,8 @@ def _graph_step(model, optimizer, x, ptr, idx):
         with phase("positives"):
             positives = positive_positions(ptr, idx, model.hparams.num_labels, x.device)
         with phase("forward+loss+backward"):
-            graph.step(x, positives)
+            with _autocast(x.device, precision):  # the graph is captured under it (backward runs outside)
+                graph.step(x, positives)
             graph.attach_grads()
         with phase("optimizer"):
             optimizer.step()
@@ -166,17 +172,18 @@ def _graph_step(model, optimizer, x, ptr, idx):
     return step, ("positives", "forward+loss+backward", "optimizer")
 
 
-def _stepper(shape: ModelShape, device, way: str):
+def _stepper(shape: ModelShape, device, way: str, precision: str):
     """(model, optimizer, step, phase names) of one model's ``eager`` or ``graph`` step on a fixed batch."""
     model = _model(shape, device)
     optimizer = model.configure_optimizers()["optimizer"]
-    step, phases = (_graph_step if way == "graph" else _eager_step)(model, optimizer, *_batch(shape, device))
+    step, phases = (_graph_step if way == "graph" else _eager_step)(model, optimizer, *_batch(shape, device),
+                                                                     precision)
     return model, optimizer, step, phases
 
 
-def measure(shape: ModelShape, device, steps: int, warmup: int, way: str = "eager") -> dict:
+def measure(shape: ModelShape, device, steps: int, warmup: int, way: str = "eager", precision: str = "32-true") -> dict:
     """One model's step, timed the ``eager`` or the ``graph`` way."""
-    model, optimizer, step, phases = _stepper(shape, device, way)
+    model, optimizer, step, phases = _stepper(shape, device, way, precision)
     if device.type == "cuda":  # the peak includes the warm-up: the graph's capture is its first step
         torch.cuda.reset_peak_memory_stats(device)
     for _ in range(warmup + (1 if way == "graph" else 0)):
@@ -192,7 +199,7 @@ def measure(shape: ModelShape, device, steps: int, warmup: int, way: str = "eage
             host[i].append(h[i])
             dev[i].append(d[i])
     median = lambda v: sorted(v)[len(v) // 2]  # noqa: E731
-    row = _row(shape, model, way, step_ms)
+    row = _row(shape, model, way, precision, step_ms)
     row["step_ms_windows"] = windows
     row["phases"] = {phase: [median(host[i]), median(dev[i])] for i, phase in enumerate(phases)}
     row["host_overhead_ms"] = max(0.0, step_ms - sum(d for _, d in row["phases"].values()))
@@ -219,14 +226,15 @@ def _timed_windows(step, steps: int, device, windows: int = 5) -> list[float]:
     return out
 
 
-def _row(shape: ModelShape, model, way: str, step_ms: float) -> dict:
-    return {"model": shape.name, "way": way, "head": shape.head, "features": shape.features, "labels": shape.labels,
+def _row(shape: ModelShape, model, way: str, precision: str, step_ms: float) -> dict:
+    return {"model": shape.name, "way": way, "precision": precision, "head": shape.head, "features": shape.features, "labels": shape.labels,
             "intermediate": shape.intermediate,
             "connectivity": shape.connectivity if shape.head == "uniform" else None, "batch": shape.batch,
             "parameters": sum(p.numel() for p in model.parameters()), "step_ms": step_ms}
 
 
-def measure_lightning(shape: ModelShape, device, steps: int, warmup: int, profiler=None) -> dict:
+def measure_lightning(shape: ModelShape, device, steps: int, warmup: int, precision: str = "32-true",
+                      profiler=None) -> dict:
     """Wall time per step of ``Trainer.fit`` with the pipeline's module (its default step), and its syncs.
 
     A torch ``profiler`` given here records the timed steps, with the training step and the optimizer step
@@ -284,7 +292,7 @@ def measure_lightning(shape: ModelShape, device, steps: int, warmup: int, profil
     batches = [_batch(shape, torch.device("cpu"), seed=i) for i in range(warmup + steps)]
     loader = DataLoader(batches, batch_size=None, pin_memory=cuda)
     clock = Clock()
-    trainer = pl.Trainer(accelerator=device.type, devices=1, max_steps=warmup + steps, logger=False,
+    trainer = pl.Trainer(accelerator=device.type, devices=1, precision=precision, max_steps=warmup + steps, logger=False,
                          enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                          limit_val_batches=0, num_sanity_val_steps=0, callbacks=[clock])
     if cuda:
@@ -294,7 +302,7 @@ def measure_lightning(shape: ModelShape, device, steps: int, warmup: int, profil
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # Lightning's advice on workers and logging
         trainer.fit(model, train_dataloaders=loader)
-    row = _row(shape, model, "lightning", (clock.end - clock.start) * 1e3 / steps)
+    row = _row(shape, model, "lightning", precision, (clock.end - clock.start) * 1e3 / steps)
     row["cuda_graph"] = model._step_graph is not None
     if cuda:
         row["peak_gib"] = torch.cuda.max_memory_allocated(device) / GIB
@@ -311,37 +319,35 @@ def markdown(info: dict, rows: list[dict], scale: float) -> str:
              f"Amazon-670K's shapes scaled by {scale:g}; batch 32. Times in ms; `step ms` = mean over all timed "
              "steps, `windows` = the fastest and slowest of 5 consecutive windows of them; per phase (medians) "
              "`host / device` = time to issue it / its span on the device; `overhead` = step minus the phases' device time.", "",
-             "| model | way | labels | intermediate | parameters | step ms | windows ms | phases: host / device ms "
-             "| overhead ms | peak GiB | params+Adam GiB |",
-             "|---|---|---:|---:|---:|---:|---:|---|---:|---:|---:|"]
+             "| model | way | precision | labels | intermediate | parameters | step ms | windows ms "
+             "| phases: host / device ms | overhead ms | peak GiB | params+Adam GiB |",
+             "|---|---|---|---:|---:|---:|---:|---:|---|---:|---:|---:|"]
     for r in rows:
         phases = "; ".join(f"{p} {h:.3f} / {d:.3f}" for p, (h, d) in r.get("phases", {}).items())
         if r["way"] == "lightning":
             phases = "Trainer.fit" + (", CUDA graph" if r.get("cuda_graph") else ", eager")
         fmt = lambda key: f"{r[key]:.3f}" if key in r else ""  # noqa: E731
         windows = f"{min(r['step_ms_windows']):.3f}–{max(r['step_ms_windows']):.3f}" if "step_ms_windows" in r else ""
-        lines.append(f"| {r['model']} | {r['way']} | {r['labels']:,} | {r['intermediate'] or ''} | "
+        lines.append(f"| {r['model']} | {r['way']} | {r['precision']} | {r['labels']:,} | {r['intermediate'] or ''} | "
                      f"{r['parameters'] / 1e6:.1f}M | {r['step_ms']:.3f} | {windows} | {phases} | "
-                     f"{fmt('host_overhead_ms')} | "
-                     f"{fmt('peak_gib')} | {fmt('param_optimizer_gib')} |")
+                     f"{fmt('host_overhead_ms')} | {fmt('peak_gib')} | {fmt('param_optimizer_gib')} |")
     for r in rows:
         if "syncs_per_step" in r:
             where = ", ".join(sorted(set(r["syncs_per_step"]))) or "none"
-            lines.append(f"\n{r['model']} ({r['way']}): {len(r['syncs_per_step'])} device-to-host syncs per step "
-                         f"({where}).")
-    by = {(r["model"], r["way"]): r["step_ms"] for r in rows}
+            lines.append(f"\n{r['model']} ({r['way']}, {r['precision']}): {len(r['syncs_per_step'])} device-to-host "
+                         f"syncs per step ({where}).")
+    by = {(r["model"], r["way"], r["precision"]): r["step_ms"] for r in rows}
     lines.append("")
-    for way in ("eager", "graph", "lightning"):
-        if ("dense", way) in by and ("uniform", way) in by:
-            lines.append(f"- {way}: uniform step {by['dense', way] / by['uniform', way]:.2f}x faster than dense "
+    for r in rows:
+        dense = by.get(("dense", r["way"], r["precision"]))
+        if r["model"] == "uniform" and dense:
+            lines.append(f"- {r['way']}, {r['precision']}: uniform step {dense / r['step_ms']:.2f}x faster than dense "
                          "(same run, same device).")
-    if ("dense", "eager") in by and ("uniform", "graph") in by:
-        lines.append(f"- uniform graph step vs dense eager step (the pipeline's steps before this change): "
-                     f"{by['dense', 'eager'] / by['uniform', 'graph']:.2f}x.")
     return "\n".join(lines) + "\n"
 
 
-def profile(shape: ModelShape, device, way: str, steps: int, warmup: int, trace: Path) -> tuple[str, str]:
+def profile(shape: ModelShape, device, way: str, precision: str, steps: int, warmup: int,
+            trace: Path) -> tuple[str, str]:
     """torch.profiler over ``steps`` steps of one model and way: the top ops and, on a GPU, where and why the device
     idles (``xmc_repro.trace_gaps``), as (summary, table). The Chrome trace is kept in ``trace`` (open it in Perfetto)."""
     from torch.profiler import ProfilerActivity, record_function
@@ -351,9 +357,9 @@ def profile(shape: ModelShape, device, way: str, steps: int, warmup: int, trace:
     cuda = device.type == "cuda"
     prof = torch.profiler.profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else []))
     if way == "lightning":
-        measure_lightning(shape, device, steps, max(warmup, 2), profiler=prof)
+        measure_lightning(shape, device, steps, max(warmup, 2), precision, profiler=prof)
     else:
-        _, _, step, _ = _stepper(shape, device, way)
+        _, _, step, _ = _stepper(shape, device, way, precision)
         sync = torch.cuda.synchronize if cuda else (lambda: None)
         for _ in range(warmup + 1):
             step()
@@ -363,14 +369,15 @@ def profile(shape: ModelShape, device, way: str, steps: int, warmup: int, trace:
                 step(record_function)
             sync()
     prof.export_chrome_trace(str(trace))
-    head = f"== {shape.name}, {way}, {steps} steps (trace: {trace.name})"
+    head = f"== {shape.name}, {way}, {precision}, {steps} steps (trace: {trace.name})"
     gaps = trace_gaps.report(trace_gaps.load(trace), steps) if cuda else ""
     table = prof.key_averages().table(sort_by="self_cuda_time_total" if cuda else "self_cpu_time_total",
                                       row_limit=25, max_name_column_width=60)
     return f"{head}\n{gaps}", f"{table}\n"
 
 
-def run(device, scale: float, steps: int, warmup: int, out: Path, profile_steps: int = 0) -> int:
+def run(device, scale: float, steps: int, warmup: int, out: Path, profile_steps: int = 0,
+        precisions: tuple[str, ...] = ("32-true",)) -> int:
     from xmc_repro.bench import copy_bandwidth, machine_info, slug
 
     info = machine_info(device, copy_bandwidth(device))
@@ -379,14 +386,15 @@ def run(device, scale: float, steps: int, warmup: int, out: Path, profile_steps:
     print(f"model step on {info.get('card', info['host_cpu'])}, scale {scale:g}", flush=True)
     rows = []
     ways = ("eager", "graph", "lightning") if device.type == "cuda" else ("eager", "lightning")
-    for shape in paper_models(scale):
-        for way in ways:
-            print(f"  {shape.name}, {way}: {shape.features} -> {shape.intermediate or '-'} -> {shape.labels} ...",
-                  flush=True)
-            if way == "lightning":
-                rows.append(measure_lightning(shape, device, steps, max(warmup, 2)))
-            else:
-                rows.append(measure(shape, device, steps, warmup, way))
+    for precision in precisions:
+        for shape in paper_models(scale):
+            for way in ways:
+                print(f"  {shape.name}, {way}, {precision}: {shape.features} -> {shape.intermediate or '-'} -> "
+                      f"{shape.labels} ...", flush=True)
+                if way == "lightning":
+                    rows.append(measure_lightning(shape, device, steps, max(warmup, 2), precision))
+                else:
+                    rows.append(measure(shape, device, steps, warmup, way, precision))
     name = f"{slug(info)}-model" + ("" if scale == 1 else f"-scale{scale:g}")
     out.mkdir(parents=True, exist_ok=True)
     (out / f"{name}.json").write_text(json.dumps({"machine": info, "scale": scale, "results": rows}, indent=1) + "\n")
@@ -396,8 +404,9 @@ def run(device, scale: float, steps: int, warmup: int, out: Path, profile_steps:
     print(text)
     if profile_steps:
         uniform = paper_models(scale)[1]
-        reports = [profile(uniform, device, way, profile_steps, warmup, out / f"{name}-trace-{way}.json.gz")
-                   for way in ways]
+        reports = [profile(uniform, device, way, precision, profile_steps, warmup,
+                           out / f"{name}-trace-{way}-{precision}.json.gz")
+                   for precision in precisions for way in ways]
         (out / f"{name}-profile.txt").write_text("".join(summary + table for summary, table in reports))
         print("".join(summary for summary, _ in reports) + f"(tables in {out / name}-profile.txt)")
     return 0
