@@ -129,6 +129,26 @@ def test_export_keeps_configurations_tables_and_scales_apart_and_skips_untagged_
     }
 
 
+def test_runs_that_change_a_training_setting_are_their_own_rows_not_seeds_or_reruns(store, tmp_path):
+    base = {**params_of(BIBTEX, "uniform", 32), "model/init": "authors"}
+    log_run(store, base, metrics_of(20.0), table="differences", start=10)
+    log_run(store, {**base, "seed": "1"}, metrics_of(18.0), table="differences", start=11)
+    log_run(store, {**base, "model/init": "fan_in"}, metrics_of(17.0), table="differences", start=12)
+    log_run(store, {**base, "trainer/lr": "0.002", "seed": "1"}, metrics_of(15.0), table="differences", start=13)
+    # an older run that did not log the init yet, and a rerun with another stand-in size: the rerun replaces it
+    log_run(store, params_of(BIBTEX, "uniform", 32), metrics_of(40.0), start=20)
+    log_run(store, {**base, "dataset/num_labels": "700"}, metrics_of(41.0), start=21)
+    rows = export(tmp_path / "runs.csv", store)
+    found = {(r["table"], r["settings"]): (r["seeds"], float(r["test_p1"])) for r in rows}
+    assert found == {
+        ("differences", "init=authors; lr=0.001"): ("0;1", 19.0),
+        ("differences", "init=fan_in; lr=0.001"): ("0", 17.0),
+        ("differences", "init=authors; lr=0.002"): ("1", 15.0),
+        ("table1", ""): ("0", 41.0),
+    }
+    assert read_runs_csv(tmp_path / "runs.csv")[0]["settings"] == "init=authors; lr=0.001"
+
+
 def test_params_logged_under_dotted_hydra_keys_read_the_same(store, tmp_path):
     dotted = {key.replace("/", "."): value for key, value in params_of(BIBTEX, "uniform", 32, 256).items()}
     log_run(store, dotted, metrics_of(40.0))

@@ -22,7 +22,8 @@ DEFAULT_SETTINGS_TABLES = ("claims", "table1", "table2", "table3", "table4", "ta
 
 
 def _trained(runs: list[dict]) -> list[dict]:
-    return [r for r in runs if r["scale"] != "smoke" and r["test_p1"] and r["table"] in DEFAULT_SETTINGS_TABLES]
+    return [r for r in runs if r["scale"] != "smoke" and r["test_p1"] and r["table"] in DEFAULT_SETTINGS_TABLES
+            and not r.get("settings")]
 
 
 def pick(runs: list[dict], dataset: str, setup: str, connectivity: str = "", intermediate: str = "",

@@ -1,7 +1,7 @@
 """Run records -> results/runs.csv: one row per configuration of the paper's tables and machine it ran on.
 
 Only FINISHED runs tagged with a `table` count (a FAILED or still RUNNING run is never a result). Per
-configuration, machine (the `device` tag: a CPU, or the CUDA card's name) and seed the latest run wins (a rerun
+configuration (with the settings its runs differ in, `identity.split_by_settings`), machine (the `device` tag: a CPU, or the CUDA card's name) and seed the latest run wins (a rerun
 replaces the old one); over seeds the row gives the mean and the sample standard deviation of every metric.
 Runs of one configuration on two cards stay two rows: their memory and time are not comparable.
 """
@@ -13,7 +13,7 @@ import statistics
 from pathlib import Path
 
 from xmc_repro.report import records as run_records
-from xmc_repro.report.identity import CONFIG_COLUMNS, config_key, configuration
+from xmc_repro.report.identity import CONFIG_COLUMNS, config_key, configuration, split_by_settings
 from xmc_repro.report.state import model_state_bytes, param
 
 # runs.csv column -> MLflow metric key; the names follow the paper's CSV where it has the column.
@@ -46,10 +46,10 @@ COLUMNS = (
 def summarize(records: list[dict]) -> list[dict[str, str]]:
     """One row per configuration: the latest record of each seed, then mean and spread over seeds."""
     latest: dict[tuple, dict[str, object]] = {}
-    for record in records:
-        if record["status"] != "FINISHED" or not record["tags"].get("table"):
-            continue
-        config = configuration(record["params"], record["tags"])
+    records = [r for r in records if r["status"] == "FINISHED" and r["tags"].get("table")]
+    configs = [configuration(r["params"], r["tags"]) for r in records]
+    split_by_settings(configs, [r["params"] for r in records])
+    for record, config in zip(records, configs):
         seed = _param(record["params"], "seed")
         slot = (config_key(config), record["tags"].get("device", ""), seed)
         order = (record.get("start_time") or record.get("end_time") or "", record["run_id"])

@@ -60,11 +60,13 @@ def paper_points(published: list[dict]) -> dict[str, list[dict]]:
 
 
 def _unique(runs: list[dict]) -> list[dict]:
-    """Runs with P@1, each configuration and machine once (table 2 and table 5 share some)."""
+    """Runs with P@1 at the default settings and float32, each configuration and machine once (table 2 and table 5
+    share some). A run that changes a setting (`settings`, e.g. in the `differences` table) or trains in bf16 is
+    not its architecture's point."""
     seen, out = set(), []
     for run in runs:
         key = (run["scale"], run["device"], *(run[c] for c in CONFIG))
-        if run["test_p1"] and key not in seen:
+        if run["test_p1"] and not run.get("settings") and not run.get("precision") and key not in seen:
             seen.add(key)
             out.append(run)
     return out

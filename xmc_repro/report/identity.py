@@ -1,7 +1,8 @@
 """What configuration a run is, and which of the paper's rows it reproduces.
 
 A run's *configuration* is read from its flattened config (MLflow params such as `model/head`) and tags
-(`table`, `scale`); seeds are not part of it, they are what the export averages over. The paper names rows by
+(`table`, `scale`); seeds are not part of it, they are what the export averages over. Other training settings
+(`SETTINGS`: init, learning rate, dropout, ...) join it where runs of one configuration differ in them. The paper names rows by
 (dataset, features, setup, connectivity, intermediate, loss); `paper_key` translates a configuration into that
 name, so that published and measured values can stand side by side.
 """
@@ -30,8 +31,26 @@ PAPER_WIDTHS = (8192, 16384, 32768, 65536, 100000)
 # Columns that name a configuration, in runs.csv and the rendered tables.
 CONFIG_COLUMNS = (
     "table", "scale", "dataset", "features", "setup", "connectivity", "intermediate", "bottleneck", "mach_hashes",
-    "mach_buckets", "loss", "precision",
+    "mach_buckets", "loss", "precision", "settings",
 )  # fmt: skip
+# Settings that change what a run trains or measures besides the columns above: param key -> short name. Where
+# runs of one configuration differ in some of them, the `settings` column gives each run's values of those (the
+# `differences` table changes one at a time), so that such runs are never averaged as seeds of one another or
+# replace one another as reruns. Where no run of a configuration changes them, the column stays empty, as in the
+# rows of the paper's tables and in the expected grid.
+SETTINGS = {
+    "model/init": "init", "model/distinct_sources": "distinct_sources",
+    "model/rewire_exact_count": "rewire_exact_count", "model/rewire_fraction": "rewire_fraction",
+    "model/rewire_schedule": "rewire_schedule", "model/bottleneck_activation": "bottleneck_activation",
+    "model/mach/decode": "mach_decode", "dataset/dropout": "dropout", "dataset/normalize": "normalize",
+    "dataset/rewire_every_n_steps": "rewire_every_n_steps", "dataset/rewire_every_epoch": "rewire_every_epoch",
+    "trainer/max_epochs": "max_epochs", "trainer/lr": "lr", "trainer/adam_eps": "adam_eps",
+    "trainer/batch_size": "batch_size", "trainer/lr_factor": "lr_factor", "trainer/lr_patience": "lr_patience",
+    "trainer/lr_threshold": "lr_threshold", "trainer/min_lr": "min_lr",
+    "trainer/early_stop_patience": "early_stop_patience", "trainer/early_stop_min_delta": "early_stop_min_delta",
+    "trainer/limit_train_batches": "limit_train_batches", "trainer/train_eval_max_points": "train_eval_max_points",
+    "validate_on": "validate_on",
+}  # fmt: skip
 NO_SCALE = "none"  # a run tagged with a table but launched without a scale
 
 
@@ -64,7 +83,21 @@ def configuration(params: dict, tags: dict) -> dict[str, str]:
         # blank for float32, the default: a bf16-mixed run is another configuration, not another seed of it
         "precision": "" if _value(params, "trainer/precision") in ("", "32", "32-true") else _value(
             params, "trainer/precision"),
+        "settings": "",  # see `split_by_settings`
     }
+
+
+def split_by_settings(configs: list[dict], params: list[dict]) -> None:
+    """Fill the `settings` of each run's configuration (``configs[i]`` is the run with ``params[i]``): the values of
+    the `SETTINGS` in which runs of the same configuration differ. A run that does not log a setting (it predates
+    it) differs from none in it; where others differ in it, it shows `?` for it."""
+    groups: dict[tuple, list[int]] = {}
+    for i, config in enumerate(configs):
+        groups.setdefault(config_key(config), []).append(i)
+    for members in groups.values():
+        differ = [key for key in SETTINGS if len({_value(params[i], key) for i in members} - {""}) > 1]
+        for i in members:
+            configs[i]["settings"] = "; ".join(f"{SETTINGS[key]}={_value(params[i], key) or '?'}" for key in differ)
 
 
 def config_key(config: dict) -> tuple[str, ...]:
