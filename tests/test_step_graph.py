@@ -14,16 +14,30 @@ from conftest import TINY, generator, label_lists, quiet_trainer
 from xmc_repro.data import build_datamodule
 from xmc_repro.losses import bce_loss, positive_positions, squared_hinge_loss
 from xmc_repro.model import XMCClassifier
-from xmc_repro.step_graph import StepGraph, capacity_for, loss_from_positions, pad_positions, unsupported_reason
+from xmc_repro.step_graph import StepGraph, capacity_for, loss_from_positions, padded_positions, unsupported_reason
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
 
 
-def test_padding_repeats_the_last_position_and_stays_sorted():
-    positives = torch.tensor([3, 9, 9, 41])
-    out = pad_positions(positives, torch.full((7,), -5))
-    assert out.tolist() == [3, 9, 9, 41, 41, 41, 41]
-    assert pad_positions(positives, torch.empty(4)).tolist() == [3, 9, 9, 41]
+def _buffer(idx: torch.Tensor, capacity: int) -> torch.Tensor:
+    """The labels as the graph holds them: a fixed-size buffer, its tail left from an earlier batch."""
+    out = torch.randint(0, 1000, (capacity,))
+    out[:idx.numel()] = idx
+    return out
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_positions_from_the_fixed_buffers_are_the_sorted_list_padded_with_its_last(seed):
+    gen = generator(seed)
+    rows, labels = int(torch.randint(1, 9, (1,), generator=gen)), int(torch.randint(5, 40, (1,), generator=gen))
+    ptr, idx = label_lists(gen, rows, labels, most=4, least=0)  # rows without labels among them
+    idx[1:] = torch.where(torch.rand(idx.numel() - 1, generator=gen) < 0.2, idx[:-1], idx[1:])  # repeats
+    if idx.numel() == 0:
+        ptr[-1], idx = 1, torch.tensor([labels - 1])
+    want = positive_positions(ptr, idx, labels, "cpu")
+    capacity = idx.numel() + int(torch.randint(0, 9, (1,), generator=gen))
+    got = padded_positions(ptr[1:].clone(), _buffer(idx, capacity), labels)
+    assert got.tolist() == want.tolist() + [want[-1].item()] * (capacity - idx.numel())
 
 
 @pytest.mark.parametrize("count,capacity", [(1, 256), (256, 256), (257, 512), (5000, 8192)])
@@ -40,8 +54,7 @@ def test_both_losses_have_a_positive_list_form_that_matches(loss):
     fn = {"squared_hinge": squared_hinge_loss, "bce": bce_loss}[loss]
     want = fn(scores, ptr, idx)
     (want_grad,) = torch.autograd.grad(want, scores)
-    padded = pad_positions(positive_positions(ptr, idx, 11, "cpu"), torch.empty(capacity_for(idx.numel()),
-                                                                              dtype=torch.long))
+    padded = padded_positions(ptr[1:].clone(), _buffer(idx, capacity_for(idx.numel())), 11)
     got = loss_from_positions(fn)(scores, padded)
     (got_grad,) = torch.autograd.grad(got, scores)
     torch.testing.assert_close(got, want)
@@ -82,37 +95,33 @@ def test_a_cpu_run_keeps_the_eager_step(tmp_path):
 # ------------------------------------------------------------------------------------------- on a GPU
 
 
-def _uniform_model(dropout=0.0, loss="squared_hinge", head="uniform"):
+def _uniform_model(dropout=0.0, loss="squared_hinge", head="uniform", device="cuda"):
     torch.manual_seed(0)
-    return XMCClassifier(24, 50, head=head, connectivity=5, intermediate=40, dropout=dropout, loss=loss).cuda()
+    return XMCClassifier(24, 50, head=head, connectivity=5, intermediate=40, dropout=dropout, loss=loss).to(device)
 
 
-def _batches(count, batch=8, seed=3):
+def _batches(count, batch=8, seed=3, device="cuda"):
     gen = generator(seed)
     out = []
     for i in range(count):
         big = i == 2  # more positives than the first capture's capacity (256)
         ptr, idx = label_lists(gen, batch, 50, most=50 if big else 3, least=40 if big else 1)
-        out.append((torch.randn(batch, 24, generator=gen).cuda(), ptr.cuda(), idx.cuda()))
+        out.append((torch.randn(batch, 24, generator=gen).to(device), ptr.to(device), idx.to(device)))
     return out
 
 
-@pytest.mark.cuda
-@cuda
-@pytest.mark.parametrize("loss", ["squared_hinge", "bce"])
-@pytest.mark.parametrize("head", ["uniform", "dense"])
-def test_graphed_steps_train_as_eager_steps_do(loss, head):
-    """Five Adam steps with a rewiring in between: the same weights whether the step is graphed or eager."""
-    batches = _batches(5)
+def _graph_vs_eager(loss, head, device="cuda"):
+    """Five Adam steps with a rewiring in between, graphed and eager: (losses, parameters, captures) of each."""
+    batches = _batches(5, device=device)
     results = []
     for graphed in (False, True):
-        model = _uniform_model(loss=loss, head=head)
+        model = _uniform_model(loss=loss, head=head, device=device)
         optimizer = model.configure_optimizers()["optimizer"]
-        graph = StepGraph(model, loss_from_positions(model.loss_fn))
+        graph = StepGraph(model, loss_from_positions(model.loss_fn), 50)
         losses = []
         for i, (x, ptr, idx) in enumerate(batches):
             if graphed:
-                loss_value = graph.step(x, positive_positions(ptr, idx, 50, x.device))
+                loss_value = graph.step(x, ptr, idx)
                 graph.attach_grads()
             else:
                 loss_value = model.loss_fn(model(x), ptr, idx)
@@ -124,6 +133,10 @@ def test_graphed_steps_train_as_eager_steps_do(loss, head):
                 for layer in model.sparse_layers():
                     layer.rewire(0.3, generator(7))
         results.append((losses, [p.detach().clone() for p in model.parameters()], graph.captures))
+    return results
+
+
+def _assert_same_training(results):
     (eager_losses, eager_params, _), (graph_losses, graph_params, captures) = results
     assert captures == 2  # the first batch, and the one with more positives than the capacity
     torch.testing.assert_close(graph_losses, eager_losses, rtol=1e-5, atol=1e-7)
@@ -133,13 +146,64 @@ def test_graphed_steps_train_as_eager_steps_do(loss, head):
 
 @pytest.mark.cuda
 @cuda
+@pytest.mark.parametrize("loss", ["squared_hinge", "bce"])
+@pytest.mark.parametrize("head", ["uniform", "dense"])
+def test_graphed_steps_train_as_eager_steps_do(loss, head):
+    """Five Adam steps with a rewiring in between: the same weights whether the step is graphed or eager."""
+    _assert_same_training(_graph_vs_eager(loss, head))
+
+
+class _ReplayedEagerly:
+    """On a CPU, a stand-in for `torch.cuda.CUDAGraph`: replaying runs the captured step again and writes its loss
+    and gradients into the captured ones, as a CUDA graph's replay does. It checks the step's own bookkeeping
+    (buffers, positions, recaptures, gradients handed to the optimizer), not CUDA."""
+
+    owner: StepGraph | None = None
+
+    def replay(self):
+        step = _ReplayedEagerly.owner  # (after a capture this runs the step a second time, to the same result)
+        for p in step.params:
+            p.grad = None
+        loss = step._forward_backward()
+        step.static_loss.copy_(loss)
+        for static, p in zip(step.static_grads, step.params):
+            static.copy_(p.grad)
+            p.grad = static
+
+
+@pytest.mark.parametrize("loss", ["squared_hinge", "bce"])
+@pytest.mark.parametrize("head", ["uniform", "dense"])
+def test_the_graph_steps_bookkeeping_trains_as_eager_steps_do_on_a_cpu(loss, head, monkeypatch):
+    import contextlib
+
+    class Stream:
+        def wait_stream(self, other):
+            pass
+
+    monkeypatch.setattr(torch.cuda, "Stream", lambda device=None: Stream())
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: Stream())
+    monkeypatch.setattr(torch.cuda, "stream", lambda stream: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "graph", lambda graph: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", _ReplayedEagerly)
+    init = StepGraph.__init__
+
+    def remember(self, *args):
+        init(self, *args)
+        _ReplayedEagerly.owner = self
+
+    monkeypatch.setattr(StepGraph, "__init__", remember)
+    _assert_same_training(_graph_vs_eager(loss, head, device="cpu"))
+
+
+@pytest.mark.cuda
+@cuda
 def test_a_replaced_parameter_makes_the_next_step_recapture():
     model = _uniform_model()
-    graph = StepGraph(model, loss_from_positions(model.loss_fn))
+    graph = StepGraph(model, loss_from_positions(model.loss_fn), 50)
     (x, ptr, idx), = _batches(1)
-    graph.step(x, positive_positions(ptr, idx, 50, x.device))
+    graph.step(x, ptr, idx)
     model.head.weight = torch.nn.Parameter(model.head.weight.detach().clone())
-    graph.step(x, positive_positions(ptr, idx, 50, x.device))
+    graph.step(x, ptr, idx)
     assert graph.captures == 2
 
 
@@ -208,7 +272,7 @@ def test_a_failed_capture_leaves_the_run_training_eagerly(tmp_path):
     class FailingGraph:
         calls = 0
 
-        def step(self, x, positives):
+        def step(self, x, label_ptr, label_idx):
             FailingGraph.calls += 1
             raise CaptureError("RuntimeError: operation not permitted when stream is capturing")
 

@@ -8,8 +8,8 @@ intermediate layer (a CPU runs 0.02 in about a minute). Rewiring and evaluation 
 Each model is timed three ways, in one run on one device:
 * ``eager``: a plain loop, as Lightning runs a step but without Lightning: forward, loss, backward, optimizer
   step, gradients freed;
-* ``graph`` (CUDA only): the pipeline's CUDA-graph step (``xmc_repro.step_graph``): positives built eagerly,
-  forward + loss + backward replayed as one graph, then fused Adam;
+* ``graph`` (CUDA only): the pipeline's CUDA-graph step (``xmc_repro.step_graph``): the batch copied into the
+  graph's buffers, positive positions + forward + loss + backward replayed as one graph, then fused Adam;
 * ``lightning``: the pipeline's own loop, ``Trainer.fit`` over pinned in-memory batches (no logger, checkpoint,
   validation or progress bar), with the model's default step (the graph on CUDA).
 
@@ -154,22 +154,19 @@ def _eager_step(model, optimizer, x, ptr, idx, precision):
 
 
 def _graph_step(model, optimizer, x, ptr, idx, precision):
-    from xmc_repro.losses import positive_positions
     from xmc_repro.step_graph import StepGraph, loss_from_positions
 
-    graph = StepGraph(model, loss_from_positions(model.loss_fn))
+    graph = StepGraph(model, loss_from_positions(model.loss_fn), model.hparams.num_labels)
 
     def step(phase=_no_phase):
-        with phase("positives"):
-            positives = positive_positions(ptr, idx, model.hparams.num_labels, x.device)
         with phase("forward+loss+backward"):
             with _autocast(x.device, precision):  # the graph is captured under it (backward runs outside)
-                graph.step(x, positives)
+                graph.step(x, ptr, idx)
             graph.attach_grads()
         with phase("optimizer"):
             optimizer.step()
             model.zero_grad(set_to_none=True)
-    return step, ("positives", "forward+loss+backward", "optimizer")
+    return step, ("forward+loss+backward", "optimizer")
 
 
 def _stepper(shape: ModelShape, device, way: str, precision: str):

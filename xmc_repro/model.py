@@ -14,7 +14,7 @@ from torch import nn
 from lightning.pytorch.utilities import rank_zero_warn
 
 from xmc_repro.errors import ConfigError
-from xmc_repro.losses import NonFiniteLossWatch, positive_positions
+from xmc_repro.losses import NonFiniteLossWatch
 from xmc_repro.metrics import XMCMetrics
 from xmc_repro.resources import resource_dir
 from xmc_repro.step_graph import CaptureError, StepGraph, loss_from_positions, unsupported_reason
@@ -159,9 +159,8 @@ class XMCClassifier(pl.LightningModule):
         graph = self._graph()
         loss = None
         if graph is not None and label_idx.numel() > 0:
-            positives = positive_positions(label_ptr, label_idx, self.hparams.num_labels, x.device)
             try:
-                loss = graph.step(x, positives)
+                loss = graph.step(x, label_ptr, label_idx)
                 self._grads_in_graph = True  # `backward` attaches them (Lightning clears .grad in between)
             except CaptureError as error:  # train on, eagerly: slower, same result
                 self._step_graph, self._graph_off = None, str(error)
@@ -215,7 +214,7 @@ class XMCClassifier(pl.LightningModule):
                 self, trainer.precision if trainer is not None else "32-true",
                 trainer.world_size if trainer is not None else 1)
             if self._graph_off is None:
-                self._step_graph = StepGraph(self, loss_from_positions(self.loss_fn))
+                self._step_graph = StepGraph(self, loss_from_positions(self.loss_fn), self.hparams.num_labels)
         return self._step_graph
 
     def release_step_graph(self):

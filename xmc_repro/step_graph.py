@@ -3,15 +3,16 @@
 At batch 32 the uniform model's step is a few dozen small kernels; issued one by one from Python, the host
 is slower than the device. Captured once, a step is one graph launch. What stays outside the graph:
 
-* the positive list, whose length is data: it is built eagerly (no host sync) and copied into a buffer of
-  fixed capacity, padded with repeats of its last entry -- both losses count a repeated position once;
+* nothing of the batch but its copy into fixed buffers: the inputs, the label lists' row ends and the labels, in
+  a buffer of fixed capacity. The graph turns them into the sorted positive positions, padded with repeats of the
+  last one (both losses count a repeated position once), so a step costs the host four calls;
 * the optimizer: fused Adam is one kernel per parameter group, and outside the graph its state can be
   replaced (a checkpoint load), reset (rewiring) and its learning rate changed as usual;
 * rewiring: it writes the connection indices and weights in place, which the graph reads on its next replay.
 
 The gradients live in the graph's memory; ``attach_grads`` points the parameters' ``.grad`` at them after a
 replay (Lightning sets them to None between the training step and backward). A batch the graph cannot take
-(another batch size, more positives than the capacity) is recaptured for, and a parameter replaced under the
+(another batch size, more listed labels than the capacity) is recaptured for, and a parameter replaced under the
 graph (``model.to``) makes the next step recapture. ``release`` frees the graph's memory (the model calls it
 before validation, so evaluation runs without the step's gradients held).
 """
@@ -51,12 +52,20 @@ def unsupported_reason(model, precision: str = "32-true", world_size: int = 1) -
     return None
 
 
-def pad_positions(positives: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-    """Sorted ``positives`` written into the fixed-size ``out``, the tail filled with the last one (stays sorted)."""
-    n = positives.numel()
-    out[:n].copy_(positives)
-    out[n:].copy_(positives[n - 1:].expand(out.numel() - n))
-    return out
+def padded_positions(ends: torch.Tensor, labels: torch.Tensor, num_labels: int) -> torch.Tensor:
+    """The sorted flat positions ``row * num_labels + label`` of CSR label lists, padded with the last one.
+
+    ``ends[i]`` is where row i's labels end (``label_ptr[1:]``); ``labels`` is a buffer whose first ``ends[-1]``
+    entries are the listed labels (the rest is ignored). The result has ``labels``' length. Every shape is fixed
+    and nothing is read back, so this runs inside a CUDA graph.
+    """
+    slots = torch.arange(labels.numel(), device=labels.device)
+    listed = slots < ends[-1]
+    rows = torch.searchsorted(ends, slots, right=True)  # the row whose labels hold each slot
+    keys = torch.where(listed, rows * num_labels + labels, torch.iinfo(torch.long).max)
+    keys = torch.sort(keys).values  # the listed positions first, sorted
+    last = keys.gather(0, (ends[-1:] - 1).clamp(min=0))
+    return torch.where(listed, keys, last)
 
 
 def capacity_for(count: int) -> int:
@@ -70,9 +79,10 @@ class StepGraph:
     ``loss_from_positions(scores, positives)`` is the loss given sorted flat positive positions (repeats allowed).
     """
 
-    def __init__(self, model, loss_from_positions):
+    def __init__(self, model, loss_from_positions, num_labels: int):
         self.model = model
         self.loss_from_positions = loss_from_positions
+        self.num_labels = num_labels
         self.graph: torch.cuda.CUDAGraph | None = None
         self.captures = 0
         self._key = None
@@ -88,16 +98,18 @@ class StepGraph:
         with torch.autocast("cuda", dtype=self._autocast or torch.bfloat16, enabled=self._autocast is not None,
                             cache_enabled=False):
             scores = self.model.head(self.model.encoder(self.static_x))
-            loss = self.loss_from_positions(scores, self.static_positives)
+            positives = padded_positions(self.static_ends, self.static_labels, self.num_labels)
+            loss = self.loss_from_positions(scores, positives)
         loss.backward()
         return loss.detach()
 
-    def _capture(self, x: torch.Tensor, positives: torch.Tensor) -> None:
+    def _capture(self, x: torch.Tensor, label_ptr: torch.Tensor, label_idx: torch.Tensor) -> None:
         self.graph = None  # frees the old graph's memory first
         params = [p for p in self.model.parameters() if p.requires_grad]
         self.static_x = x.detach().clone()
-        self.static_positives = torch.empty(capacity_for(positives.numel()), dtype=torch.long, device=x.device)
-        pad_positions(positives, self.static_positives)
+        self.static_ends = label_ptr[1:].to(x.device, torch.long, copy=True)
+        self.static_labels = torch.zeros(capacity_for(label_idx.numel()), dtype=torch.long, device=x.device)
+        self.static_labels[:label_idx.numel()].copy_(label_idx)
         side = torch.cuda.Stream(device=x.device)
         side.wait_stream(torch.cuda.current_stream(x.device))
         with torch.cuda.stream(side):
@@ -115,23 +127,24 @@ class StepGraph:
         self.graph = graph
         self.captures += 1
 
-    def step(self, x: torch.Tensor, positives: torch.Tensor) -> torch.Tensor:
-        """Forward, loss and backward on (``x``, sorted flat ``positives``); returns the loss (its own tensor).
-
-        The gradients are written into the graph's buffers: call ``attach_grads`` before the optimizer step.
+    def step(self, x: torch.Tensor, label_ptr: torch.Tensor, label_idx: torch.Tensor) -> torch.Tensor:
+        """Forward, loss and backward on ``x`` and its label lists (CSR, on x's device); returns the loss (its own
+        tensor). The gradients are written into the graph's buffers: call ``attach_grads`` before the optimizer step.
         """
-        if positives.numel() == 0:
+        listed = label_idx.numel()
+        if listed == 0:
             raise ValueError("a graphed step needs at least one positive label in the batch")
         autocast = torch.get_autocast_dtype("cuda") if torch.is_autocast_enabled("cuda") else None
         key = (tuple(x.shape), x.dtype, autocast, self._tensors_key())
-        if self.graph is not None and key == self._key and positives.numel() <= self.static_positives.numel():
+        if self.graph is not None and key == self._key and listed <= self.static_labels.numel():
             self.static_x.copy_(x)
-            pad_positions(positives, self.static_positives)
+            self.static_ends.copy_(label_ptr[1:])
+            self.static_labels[:listed].copy_(label_idx)
             self.graph.replay()
         else:
             self._autocast = autocast
             try:
-                self._capture(x, positives)
+                self._capture(x, label_ptr, label_idx)
             except Exception as error:
                 self.graph = None
                 for p in self.model.parameters():
@@ -145,7 +158,7 @@ class StepGraph:
         """Free the graph and its memory (gradients and activations included); the next step captures anew."""
         self.graph = self._key = None
         self.params = self.static_grads = []
-        self.static_x = self.static_positives = self.static_loss = None
+        self.static_x = self.static_ends = self.static_labels = self.static_loss = None
         for p in self.model.parameters():  # the attached gradients live in the graph's memory
             p.grad = None
 
