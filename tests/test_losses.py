@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from conftest import generator
 
 from xmc_repro.errors import ConfigError
-from xmc_repro.losses import NonFiniteLossWatch, bce_loss, dense_targets, squared_hinge_loss
+from xmc_repro.losses import TrainingLossLog, bce_loss, dense_targets, squared_hinge_loss
 from xmc_repro.model import build_loss
 
 
@@ -67,27 +67,34 @@ def test_repeated_labels_count_once():
         torch.testing.assert_close(*(torch.autograd.grad(v, scores)[0] for v in (loss, want)))
 
 
-def test_non_finite_loss_watch_on_the_cpu_reports_at_once():
-    watch = NonFiniteLossWatch(every=10)
-    assert watch.update(torch.tensor(0.5), step=0) is None
-    assert watch.update(torch.tensor(float("nan")), step=1) == (pytest.approx(float("nan"), nan_ok=True), 1)
-    assert watch.update(torch.tensor(float("inf")), step=2) == (float("inf"), 2)
+def test_loss_log_on_the_cpu_reports_at_once_and_keeps_the_epochs_weighted_mean():
+    log = TrainingLossLog(every=10)
+    assert log.epoch_mean is None
+    assert log.add(torch.tensor(0.5), step=0, batch_size=32) is None
+    assert log.add(torch.tensor(0.2), step=1, batch_size=8) is None
+    assert log.epoch_mean == pytest.approx((0.5 * 32 + 0.2 * 8) / 40)
+    assert log.add(torch.tensor(float("nan")), step=2, batch_size=32) == (pytest.approx(float("nan"), nan_ok=True), 2)
+    assert log.add(torch.tensor(float("inf")), step=3, batch_size=32) == (float("inf"), 3)
+    log.new_epoch()
+    assert log.epoch_mean is None
 
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_non_finite_loss_watch_on_a_gpu_reads_every_n_steps_and_names_the_first_bad_step():
-    watch = NonFiniteLossWatch(every=4)
+def test_loss_log_on_a_gpu_reads_every_n_steps_and_names_the_first_bad_step():
+    log = TrainingLossLog(every=4)
     losses = [0.5, 0.4, float("inf"), float("nan"), 0.1, 0.2, 0.3, 0.4]
     torch.cuda.set_sync_debug_mode("error")  # a read of the loss between the checks would raise
     try:
-        found = [watch.update(torch.tensor(v, device="cuda"), step=i) for i, v in enumerate(losses[:3])]
+        found = [log.add(torch.tensor(v, device="cuda"), step=i, batch_size=4) for i, v in enumerate(losses[:3])]
     finally:
         torch.cuda.set_sync_debug_mode("default")
-    assert found == [None, None, None]
-    assert watch.update(torch.tensor(losses[3], device="cuda"), step=3) == (float("inf"), 2)
-    clean = NonFiniteLossWatch(every=100)
-    assert clean.update(torch.tensor(0.5, device="cuda"), step=0, flush=True) is None
+    assert found == [None, None, None] and log.epoch_mean is None
+    assert log.add(torch.tensor(losses[3], device="cuda"), step=3, batch_size=4) == (float("inf"), 2)
+    clean = TrainingLossLog(every=100)
+    assert clean.add(torch.tensor(0.5, device="cuda"), step=0, batch_size=4) is None and clean.epoch_mean is None
+    assert clean.add(torch.tensor(0.25, device="cuda"), step=1, batch_size=12, flush=True) is None
+    assert clean.epoch_mean == pytest.approx((0.5 * 4 + 0.25 * 12) / 16)
 
 
 @pytest.mark.cuda

@@ -85,25 +85,18 @@ class EpochLine(pl.Callback):
 
     def __init__(self):
         self._start = None
-        self._loss_sum, self._batches = None, 0  # summed on the device: reading each loss would sync every step
 
     def on_train_epoch_start(self, trainer, pl_module):
-        self._start, self._loss_sum, self._batches = time.perf_counter(), None, 0
-
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
-        if loss is not None:
-            loss = loss.detach()
-            self._loss_sum = loss if self._loss_sum is None else self._loss_sum + loss
-            self._batches += 1
+        self._start = time.perf_counter()
 
     def on_train_epoch_end(self, trainer, pl_module):
         if trainer.global_rank != 0 or self._start is None:
             return
         metrics = trainer.callback_metrics
         parts = [f"epoch {trainer.current_epoch + 1}/{trainer.max_epochs}"]
-        if self._batches:
-            parts.append(f"loss {float(self._loss_sum) / self._batches:.4f}")
+        loss = pl_module.epoch_loss() if hasattr(pl_module, "epoch_loss") else None  # the model's own mean
+        if loss is not None:
+            parts.append(f"loss {loss:.4f}")
         p_at = [(k, _value(metrics, f"val/p_at_{k}")) for k in (1, 3, 5)]
         if any(v is not None for _, v in p_at):
             parts.append("val " + " ".join(f"P@{k} {v:.2f}" for k, v in p_at if v is not None))

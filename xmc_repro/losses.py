@@ -12,6 +12,8 @@ gradient; BCE keeps the scores and allocates its gradient, one (batch, labels) t
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
@@ -133,35 +135,52 @@ squared_hinge_loss.from_positions = squared_hinge_from_positions
 bce_loss.from_positions = bce_from_positions
 
 
-class NonFiniteLossWatch:
-    """Finds the first NaN or Inf training loss without making the host wait for the device every step.
+class TrainingLossLog:
+    """Every training step's loss, kept where it was computed: the first NaN or Inf loss is found, and the epoch's
+    mean summed, without making the host wait for the device at every step.
 
-    On a CPU the loss is checked at once. On a GPU, reading the loss would wait for the step's kernels (a
-    device-to-host sync per step); instead the first non-finite loss and its step are kept on the device and
-    read every ``every`` steps and whenever ``flush`` is set, so the run stops up to ``every - 1`` steps after
-    the bad one -- the report still names the step where the loss first became non-finite.
+    On a GPU each loss is copied into a device buffer of ``every`` slots (one copy per step); the buffer is read back
+    (one sync) when full, and whenever ``flush`` is asked for. On a CPU each loss is read at once. A read reports the
+    first non-finite loss with its step, and adds the others to the epoch's sum weighted by batch size. So a run
+    stops up to ``every - 1`` steps after a bad loss, and the report names the step where it first appeared.
     """
 
     def __init__(self, every: int = 50):
         self.every = every
-        self._step: torch.Tensor | None = None  # first bad step, -1 while none
-        self._value: torch.Tensor | None = None
-        self._unread = 0
+        self._buffer: torch.Tensor | None = None
+        self._pending: list[tuple[int, int]] = []  # (step, batch size) of each buffered loss
+        self._sum, self._points = 0.0, 0
 
-    def update(self, loss: torch.Tensor, step: int, flush: bool = False) -> tuple[float, int] | None:
+    def new_epoch(self) -> None:
+        self.flush()
+        self._sum, self._points = 0.0, 0
+
+    def add(self, loss: torch.Tensor, step: int, batch_size: int, flush: bool = False) -> tuple[float, int] | None:
         """Record this step's loss; returns (loss value, step) of the first non-finite loss once it is read."""
         loss = loss.detach()
-        if loss.device.type == "cpu":
-            return None if bool(torch.isfinite(loss)) else (loss.item(), step)
-        if self._step is None:
-            self._step = torch.full((), -1, dtype=torch.long, device=loss.device)
-            self._value = torch.zeros((), dtype=loss.dtype, device=loss.device)
-        new = torch.logical_and(~torch.isfinite(loss), self._step < 0)
-        self._step = torch.where(new, step, self._step)
-        self._value = torch.where(new, loss, self._value)
-        self._unread += 1
-        if self._unread < self.every and not flush:
+        if self._buffer is None or self._buffer.device != loss.device:
+            self.flush()
+            self._buffer = torch.empty(self.every, dtype=torch.float64, device=loss.device)
+        self._buffer[len(self._pending)].copy_(loss)
+        self._pending.append((step, batch_size))
+        if len(self._pending) < self.every and not flush and loss.device.type != "cpu":
             return None
-        self._unread = 0
-        first = int(self._step)  # the one sync, every `every` steps
-        return None if first < 0 else (self._value.item(), first)
+        return self.flush()
+
+    def flush(self) -> tuple[float, int] | None:
+        """Read the buffered losses back: (value, step) of the first non-finite one, else None."""
+        if not self._pending:
+            return None
+        values = self._buffer[: len(self._pending)].tolist()  # the one sync
+        pending, self._pending = self._pending, []
+        for value, (step, batch_size) in zip(values, pending):
+            if not math.isfinite(value):
+                return value, step
+            self._sum += value * batch_size
+            self._points += batch_size
+        return None
+
+    @property
+    def epoch_mean(self) -> float | None:
+        """Mean loss of the epoch's read steps, weighted by batch size (None before any)."""
+        return self._sum / self._points if self._points else None

@@ -14,7 +14,7 @@ from torch import nn
 from lightning.pytorch.utilities import rank_zero_warn
 
 from xmc_repro.errors import ConfigError
-from xmc_repro.losses import NonFiniteLossWatch
+from xmc_repro.losses import TrainingLossLog
 from xmc_repro.metrics import XMCMetrics
 from xmc_repro.resources import resource_dir
 from xmc_repro.step_graph import CaptureError, StepGraph, loss_from_positions, unsupported_reason
@@ -139,14 +139,12 @@ class XMCClassifier(pl.LightningModule):
             init_dense_like_keras_(self)
         self.loss_fn = build_loss(loss)
         self.val_metrics = XMCMetrics(num_labels, ks=(1, 3, 5), inv_propensity=inv_propensity)
-        # Checked at once on a CPU; on a GPU read every 50 steps and at an epoch's last batch (no per-step
-        # sync), so the run may stop up to 49 steps after the bad one -- the message names the bad step.
-        self._loss_watch = NonFiniteLossWatch(every=50)
+        # Read at once on a CPU; on a GPU every 50 steps and at an epoch's last batch (no per-step sync), so a
+        # run may stop up to 49 steps after a non-finite loss -- the message names the step where it appeared.
+        self._losses = TrainingLossLog(every=50)
         self._step_graph = None  # StepGraph, made at the first training step where one is possible
         self._graph_off: str | None = None if cuda_graph else "trainer.cuda_graph=false"
         self._grads_in_graph = False
-        self._epoch_loss: torch.Tensor | None = None  # sum of batch size x loss over the epoch, on the device
-        self._epoch_points = 0
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Label scores. A head whose outputs are not label scores (MACH's meta-scores) decodes them: `decode`."""
@@ -172,39 +170,41 @@ class XMCClassifier(pl.LightningModule):
                 label_ptr, label_idx = targets(label_ptr, label_idx)
             loss = self.loss_fn(scores, label_ptr, label_idx)
         last = self._trainer is not None and self.trainer.is_last_batch
-        bad = self._loss_watch.update(loss, self.global_step, flush=last)
+        self._stop_if_non_finite(self._losses.add(loss, self.global_step, x.shape[0], flush=last))
+        self._log_step_loss(loss, x.shape[0])
+        return loss
+
+    def _stop_if_non_finite(self, bad: tuple[float, int] | None) -> None:
         if bad is not None:
             raise NonFiniteLossError(
                 f"the training loss is {bad[0]} at step {bad[1]} (epoch {self.current_epoch}); "
                 "lower trainer.lr or check the input features for extreme values"
             )
-        self._log_loss(loss, x.shape[0])
-        return loss
 
-    def _log_loss(self, loss: torch.Tensor, batch_size: int) -> None:
-        """`train/loss_step` at the steps Lightning writes to the loggers, `train/loss_epoch` at the epoch's end.
+    def _log_step_loss(self, loss: torch.Tensor, batch_size: int) -> None:
+        """`train/loss_step`, at the steps Lightning writes to the loggers only.
 
         `self.log` costs as much host time as a whole GPU step (about 1 ms per call on a 2-core CPU), so it is
-        called only when its value is written; the epoch's mean is summed on the device meanwhile. Neither is a
-        progress-bar metric: Lightning turns those into Python numbers after every batch, a device sync per step
-        (the bar reads the loss itself every few dozen steps, xmc_repro.console).
+        called only when its value is written. It is no progress-bar metric: Lightning turns those into Python
+        numbers after every batch, a device sync per step (the bar reads the loss itself every few dozen steps,
+        xmc_repro.console).
         """
-        loss = loss.detach()
-        if self._epoch_loss is None:
-            self._epoch_loss = loss * batch_size
-        else:
-            self._epoch_loss.add_(loss, alpha=batch_size)
-        self._epoch_points += batch_size
         connector = getattr(self._trainer, "_logger_connector", None)  # Lightning's own test for "log this step"
         if connector is None or getattr(connector, "should_update_logs", True):
-            self.log("train/loss_step", loss, on_step=True, on_epoch=False, batch_size=batch_size)
+            self.log("train/loss_step", loss.detach(), on_step=True, on_epoch=False, batch_size=batch_size)
+
+    def epoch_loss(self) -> float | None:
+        """The epoch's mean training loss so far, weighted by batch size (reads the device once)."""
+        self._stop_if_non_finite(self._losses.flush())
+        return self._losses.epoch_mean
 
     def on_train_epoch_start(self):
-        self._epoch_loss, self._epoch_points = None, 0
+        self._losses.new_epoch()
 
     def on_train_epoch_end(self):
-        if self._epoch_points:
-            self.log("train/loss_epoch", self._epoch_loss / self._epoch_points, on_step=False, on_epoch=True)
+        mean = self.epoch_loss()
+        if mean is not None:
+            self.log("train/loss_epoch", mean, on_step=False, on_epoch=True)
 
     def _graph(self):
         """The step graph when this run can use one (decided at the first training step), else None."""
