@@ -91,3 +91,21 @@ def test_a_sweep_of_20_runs_reads_well_in_mlflow_and_on_the_console(tmp_path):
     assert "[lightning" not in console  # Lightning's lines are not repeated through Hydra's logger
     assert console.count("/#/experiments/") == 20  # each summary links the runs table
 
+
+
+def test_the_progress_bar_redraws_at_most_ten_times_a_second_and_at_an_epochs_end(monkeypatch):
+    """A redraw costs as much host time as a GPU step: most batches of a fast epoch must not draw."""
+    import types
+
+    from lightning.pytorch.callbacks import RichProgressBar
+
+    from xmc_repro import console
+
+    drawn = []
+    monkeypatch.setattr(RichProgressBar, "on_train_batch_end", lambda self, *args: drawn.append(args[-1]))
+    clock = iter([0.0, 0.01, 0.05, 0.12, 0.15, 0.16, 0.17])
+    monkeypatch.setattr(console.time, "monotonic", lambda: next(clock))
+    bar, trainer = console.ProgressBar(), types.SimpleNamespace(num_training_batches=7)
+    for batch_idx in range(7):
+        bar.on_train_batch_end(trainer, None, None, None, batch_idx)
+    assert drawn == [0, 3, 6]  # the first batch, 0.12 s later, and the last batch

@@ -19,6 +19,9 @@ from lightning.pytorch.callbacks.progress.rich_progress import ProcessingSpeedCo
 SHOWN = (("train/loss_step", "loss"), ("val/p_at_3", "val P@3"))
 # The bar reads the step loss from the device this often: reading it waits for the GPU to finish the step.
 LOSS_EVERY_N_STEPS = 50
+# The bar is redrawn at most this often (seconds) within an epoch: a redraw costs about 0.3 ms of host time, as
+# much as a GPU training step at batch 32.
+REDRAW_EVERY_S = 0.1
 # Warnings nobody running this tool can act on (Lightning's internals, not the user's settings).
 UNACTIONABLE = (
     r".*is smaller than the logging interval.*",  # short epochs: per-step loss then reaches MLflow once an epoch
@@ -52,6 +55,23 @@ class ProgressBar(RichProgressBar):
         super().__init__(theme=RichProgressBarTheme(metrics_format=".3g"))
         self._loss: float | None = None
         self._loss_step = -LOSS_EVERY_N_STEPS
+        self._drawn = -float("inf")  # time.monotonic() of the last redraw within an epoch
+
+    def _redraw_due(self, batch_idx: int, batches) -> bool:
+        now = time.monotonic()
+        if now - self._drawn < REDRAW_EVERY_S and batch_idx + 1 != batches:
+            return False
+        self._drawn = now
+        return True
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if self._redraw_due(batch_idx, trainer.num_training_batches):
+            super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
+
+    def on_validation_batch_end(self, trainer, pl_module, outputs, batch, batch_idx, dataloader_idx=0):
+        batches = trainer.num_sanity_val_batches if trainer.sanity_checking else trainer.num_val_batches
+        if self._redraw_due(batch_idx, batches[dataloader_idx] if batches else None):
+            super().on_validation_batch_end(trainer, pl_module, outputs, batch, batch_idx, dataloader_idx)
 
     def configure_columns(self, trainer) -> list:
         columns = [c for c in super().configure_columns(trainer) if not isinstance(c, ProcessingSpeedColumn)]
