@@ -18,6 +18,8 @@
 # Logs, results and the MLflow store are packed into $OUT/gpu_all.tgz (few files come back); a summary is printed
 # last. Each step has its own timeout, all share a deadline of BUDGET_S seconds, and a failing step does not stop
 # the next. hydra and mlflow: carry .whl/ from ../shared/gpu/wheels.sh.
+# Records' git_commit: the lent machine's copy of the tree carries stale git metadata, so pass the commit sent,
+# spelled out here: XMC_GIT_COMMIT=<git rev-parse --short=12 HEAD> bash scripts/gpu_all.sh
 # A shorter call: BUDGET_S=240 EPOCH_POINTS=100000 EPOCH_PRECISIONS=32-true TESTS="tests/test_step_graph.py ..." \
 #   bash scripts/gpu_all.sh
 set -uo pipefail
@@ -47,7 +49,7 @@ step() {  # step NAME SECONDS CMD...: run with a timeout (capped by the deadline
 
 step env 20 bash -c 'nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader;
   python3 -c "import sys, torch; print(sys.version.split()[0], torch.__version__, torch.version.cuda, torch.cuda.get_device_name(), torch.cuda.get_device_capability())";
-  nproc; git log -1 --format=%h 2>/dev/null'
+  nproc; echo "commit given: ${XMC_GIT_COMMIT:-none}; git HEAD here: $(git log -1 --format=%h 2>/dev/null)"'
 step build 150 env XMC_SPARSE_BACKEND=compiled python3 -c "
 import time; t = time.time()
 from xmc_repro.sparse import build, op

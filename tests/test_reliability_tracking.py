@@ -143,5 +143,8 @@ def test_git_commit_says_when_the_code_differs_from_the_commit(tmp_path, monkeyp
     assert tracking.git_commit() == clean
     (tmp_path / "f.py").write_text("a = 2\n")
     assert tracking.git_commit() == clean + "-dirty"
+    monkeypatch.setenv("XMC_GIT_COMMIT", "17de686")  # a copy whose git metadata is stale says what it is
+    assert tracking.git_commit() == "17de686"
+    monkeypatch.delenv("XMC_GIT_COMMIT")
     monkeypatch.setattr(tracking, "PROJECT_ROOT", tmp_path / "missing")
     assert tracking.git_commit() == "unknown"

@@ -169,7 +169,13 @@ def _git(*args: str) -> str:
 
 
 def git_commit() -> str:
-    """HEAD's short hash, "-dirty" appended when tracked files differ from it (the code run is then not that commit)."""
+    """HEAD's short hash, "-dirty" appended when tracked files differ from it (the code run is then not that commit).
+
+    `XMC_GIT_COMMIT`, when set, is taken instead: for a copy of a working tree whose git metadata is not the code's
+    (scripts/gpu_all.sh on a lent machine is given the commit it was sent at)."""
+    given = os.environ.get("XMC_GIT_COMMIT", "").strip()
+    if given:
+        return given
     head = _git("rev-parse", "--short=12", "HEAD")
     if head and _git("status", "--porcelain", "--untracked-files=no"):
         head += "-dirty"
