@@ -60,30 +60,23 @@ def _busy(events: list[dict]) -> list[tuple[float, float, dict]]:
     return [tuple(m) for m in merged]
 
 
-class _HostTimeline:
-    """The host ranges of one thread, for "what was open at time t" (innermost = latest start)."""
+def _label(open_ranges: list[dict]) -> str:
+    """The label `annotation: op` of the innermost range of each kind (ranges in start order, outermost first)."""
+    annotation = next((e["name"] for e in reversed(open_ranges) if e.get("cat") == "user_annotation"), "")
+    op = next((e["name"] for e in reversed(open_ranges) if e.get("cat") != "user_annotation"), "-")
+    return f"{annotation}: {op}" if annotation else op
 
-    def __init__(self, ranges: list[dict]):
-        self.ranges = sorted(ranges, key=lambda e: (e["ts"], -e.get("dur", 0)))
-        self.starts = [e["ts"] for e in self.ranges]
 
-    def open_at(self, t: float) -> list[dict]:
-        i = bisect.bisect_right(self.starts, t)
-        return [e for e in self.ranges[:i] if e["ts"] + e.get("dur", 0) > t]
-
-    def boundaries(self, lo: float, hi: float) -> list[float]:
-        points = {lo, hi}
-        for e in self.ranges[:bisect.bisect_right(self.starts, hi)]:
-            for p in (e["ts"], e["ts"] + e.get("dur", 0)):
-                if lo < p < hi:
-                    points.add(p)
-        return sorted(points)
-
-    def label(self, t: float) -> str:
-        open_ = self.open_at(t)
-        annotation = next((e["name"] for e in reversed(open_) if e.get("cat") == "user_annotation"), "")
-        op = next((e["name"] for e in reversed(open_) if e.get("cat") != "user_annotation"), "-")
-        return f"{annotation}: {op}" if annotation else op
+def _host_time(ranges: list[dict], starts: list[float], lo: float, hi: float) -> dict[str, float]:
+    """How the host's time in [lo, hi] splits over the innermost ranges open (``ranges`` sorted by start)."""
+    end = lambda e: e["ts"] + e.get("dur", 0)  # noqa: E731
+    around = [e for e in ranges[: bisect.bisect_right(starts, hi)] if end(e) > lo]
+    points = sorted({lo, hi, *(p for e in around for p in (e["ts"], end(e)) if lo < p < hi)})
+    spent: dict[str, float] = defaultdict(float)
+    for a, b in zip(points, points[1:]):
+        mid = (a + b) / 2
+        spent[_label([e for e in around if e["ts"] <= mid < end(e)])] += b - a
+    return dict(spent)
 
 
 def gaps(events: list[dict], min_us: float = 2.0) -> list[Gap]:
@@ -93,17 +86,14 @@ def gaps(events: list[dict], min_us: float = 2.0) -> list[Gap]:
     launches = [runtime.get(event.get("args", {}).get("correlation")) for _, _, event in busy]
     threads = Counter((e["pid"], e["tid"]) for e in launches if e)
     thread = threads.most_common(1)[0][0] if threads else None  # the thread that launches the device's work
-    host = _HostTimeline([e for e in events if e.get("cat") in HOST_CATEGORIES
-                          and (e.get("pid"), e.get("tid")) == thread])
+    ranges = sorted((e for e in events if e.get("cat") in HOST_CATEGORIES and (e.get("pid"), e.get("tid")) == thread),
+                    key=lambda e: (e["ts"], -e.get("dur", 0)))
+    starts = [e["ts"] for e in ranges]
     found = []
     for (_, prev_end, _), (start, _, _), launch in zip(busy, busy[1:], launches[1:]):
-        if start - prev_end < min_us:
-            continue
-        points = host.boundaries(prev_end, start)
-        spent: dict[str, float] = defaultdict(float)
-        for a, b in zip(points, points[1:]):
-            spent[host.label((a + b) / 2)] += b - a
-        found.append(Gap(prev_end, start, launch is not None and launch["ts"] >= prev_end, dict(spent)))
+        if start - prev_end >= min_us:
+            found.append(Gap(prev_end, start, launch is not None and launch["ts"] >= prev_end,
+                             _host_time(ranges, starts, prev_end, start)))
     return found
 
 
