@@ -10,7 +10,8 @@
 # 4. the layer benchmark at the headline shape (670,091 labels, 16,384 inputs, 32, batch 32), float32 and bf16
 #    inputs, with the L2 read bandwidth,
 # 5. one full epoch of the pipeline at Amazon-670K's shape (uniform, 32k intermediate layer, graph step), at each
-#    of EPOCH_PRECISIONS (default "32-true bf16-mixed"; the deadline skips what does not fit),
+#    of EPOCH_PRECISIONS (default "32-true bf16-mixed"; the deadline skips what does not fit), with a profile of
+#    20 of its steps (trainer.profile_steps: where the real loop leaves the GPU idle),
 # 6. with BIBTEX=1: Bibtex through the pipeline, seed 0, float32 and bf16-mixed (P@k against the CPU runs; measured
 #    on an H200 at 17de686, README), if its files are carried
 #    in .gpu_data/Bibtex (XMC_SHARED_DATA): mkdir -p .gpu_data/Bibtex && cp ../shared/data/Bibtex/*_xc.txt
@@ -61,7 +62,12 @@ step layer 70 python3 -m xmc_repro.bench --device cuda --out results/bench --max
 for precision in ${EPOCH_PRECISIONS:-32-true bf16-mixed}; do
   step "epoch-$precision" 170 python3 -m xmc_repro dataset=synthetic_amazon670k dataset.num_train=${EPOCH_POINTS:-490449} \
     dataset.num_test=10000 trainer.max_epochs=1 trainer.precision=$precision \
-    trainer.progress_bar=false trainer.train_eval_max_points=10000 table=gpu_check model=uniform model.intermediate=32768
+    trainer.progress_bar=false trainer.train_eval_max_points=10000 table=gpu_check model=uniform model.intermediate=32768 \
+    trainer.profile_steps=20
+done
+for d in checkpoints/*/; do  # the epochs' step profiles, named by run
+  run=$(basename "$d")
+  [ -f "$d/profile.txt" ] && cp "$d/profile.txt" "$LOGS/profile-$run.txt" && cp "$d/profile-trace.json.gz" "$LOGS/profile-trace-$run.json.gz"
 done
 if [ -n "${XMC_SHARED_DATA:-}" ] && [ "${BIBTEX:-0}" = 1 ]; then
   for precision in 32-true bf16-mixed; do
@@ -78,6 +84,6 @@ printf '%s\n' "${status[@]}"
 grep -E "passed|failed|error" "$LOGS/tests.log" | tail -3
 sed -n '/^| model /,$p' "$LOGS/model.log"
 cat results/bench/*-model-profile.txt 2>/dev/null | grep -E "^==|^device span|^host during|^  +[0-9.]+  |^blocking"
-for p in 32-true bf16-mixed; do [ -f "$LOGS/epoch-$p.log" ] && grep -E "^epoch |peak GPU|MLflow run" "$LOGS/epoch-$p.log" | tail -3; done
+for p in 32-true bf16-mixed; do [ -f "$LOGS/epoch-$p.log" ] && grep -E "^epoch |peak GPU|MLflow run|^profile of|^device span|^host during|^  +[0-9.]+  |^blocking" "$LOGS/epoch-$p.log" | tail -20; done
 sed -n '/^case /,$p' "$LOGS/layer.log"
 for p in 32-true bf16-mixed; do [ -f "$LOGS/bibtex-$p.log" ] && grep -E "test|seconds per epoch" "$LOGS/bibtex-$p.log" | tail -3; done

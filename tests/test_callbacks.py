@@ -7,7 +7,7 @@ import pytest
 import torch
 from conftest import TINY, quiet_trainer
 
-from xmc_repro.callbacks import Rewiring
+from xmc_repro.callbacks import Rewiring, StepProfile
 from xmc_repro.data import build_datamodule
 from xmc_repro.model import XMCClassifier
 
@@ -74,3 +74,17 @@ def test_epoch_rewiring_fires_at_every_epoch_start_but_the_first(tmp_path):
     assert not torch.equal(seen[0], seen[1]) and not torch.equal(seen[1], seen[2])
     step_only = Rewiring(0.25, every_n_steps=None, every_epoch=False)
     assert not any(step_only.due(s) for s in range(1, 100))
+
+
+def test_a_step_profile_covers_the_asked_steps_and_lands_in_the_runs_folder(tmp_path, capsys):
+    from xmc_repro import trace_gaps
+
+    model = XMCClassifier(TINY["num_features"], TINY["num_labels"], head="uniform", connectivity=4, intermediate=32)
+    profile = StepProfile(tmp_path / "run", steps=3, start=2)
+    trainer = quiet_trainer(tmp_path, max_steps=8, limit_val_batches=0, accelerator="cpu", callbacks=[profile])
+    trainer.fit(model, datamodule=build_datamodule(TINY, batch_size=16, seed=0))
+    text = (tmp_path / "run" / "profile.txt").read_text()
+    assert text.startswith("profile of training steps 3-5") and "xmc_sparse::forward" in text
+    assert "profile of training steps 3-5" in capsys.readouterr().out
+    ops = [e["name"] for e in trace_gaps.load(tmp_path / "run" / "profile-trace.json.gz")]
+    assert ops.count("xmc_sparse::forward") == 3  # the three profiled steps' forwards, nothing else

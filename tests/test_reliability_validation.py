@@ -48,6 +48,7 @@ REFUSED = {
     "bottleneck_0": (["model=bottleneck", "model.bottleneck=0"], "model.bottleneck=0 must be a positive integer"),
     "rewire_every_n_steps_negative": (["dataset.rewire_every_n_steps=-1"], "dataset.rewire_every_n_steps=-1 must be"),
     "checkpoint_every_0": (["trainer.checkpoint_every_n_steps=0"], "trainer.checkpoint_every_n_steps=0 must be"),
+    "profile_steps_0": (["trainer.profile_steps=0"], "trainer.profile_steps=0 must be"),
     "bf16_true": (["trainer.precision=bf16-true"], "trainer.precision=bf16-true: the sparse op of model.head=uniform "
                   "would get bfloat16 weights"),
     "fp16_true_mach": (["model=mach", "trainer.precision=16-true"], "the sparse op of model.head=mach would get float16"),

@@ -1,8 +1,9 @@
-"""Lightning callbacks: sparse rewiring, peak GPU memory, epoch time."""
+"""Lightning callbacks: sparse rewiring, peak GPU memory, epoch time, a profile of some training steps."""
 
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 import lightning.pytorch as pl
 import torch
@@ -154,3 +155,64 @@ class EpochTime(pl.Callback):
 
     def load_state_dict(self, state_dict):
         self.fit_seconds = state_dict["fit_seconds"]
+
+
+class StepProfile(pl.Callback):
+    """`trainer.profile_steps=N`: torch.profiler over N training steps of the run, from step `start` on (past the
+    warm-up and the first capture of the step graph), rank 0 only.
+
+    Writes to the run's folder `profile-trace.json.gz` (a Chrome trace: Perfetto, chrome://tracing) and
+    `profile.txt`: on a GPU, the device's idle time per step with what the host did meanwhile and any blocking
+    CUDA call (`xmc_repro.trace_gaps`), then the top ops; written and printed at the end of fit. Whatever the
+    steps include (a rewiring, a validation) is in the profile; profiling them adds a little to their time.
+    """
+
+    def __init__(self, dirpath: Path, steps: int, start: int = 100):
+        self.dirpath, self.steps, self.start = Path(dirpath), steps, start
+        self._profiler = None
+        self._first: int | None = None
+        self._stopped = None  # (profiler, steps, device) until written at the end of fit
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if self._first is None and trainer.global_step >= self.start and trainer.global_rank == 0:
+            from torch.profiler import ProfilerActivity
+
+            cuda = pl_module.device.type == "cuda"
+            self._profiler = torch.profiler.profile(
+                activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else []))
+            self._profiler.start()
+            self._first = trainer.global_step
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if self._profiler is not None and trainer.global_step - self._first >= self.steps:
+            self._stop(trainer, pl_module)
+
+    def on_train_end(self, trainer, pl_module):
+        if self._profiler is not None:  # the run ended first
+            self._stop(trainer, pl_module)
+
+    def _stop(self, trainer, pl_module):
+        if pl_module.device.type == "cuda":
+            torch.cuda.synchronize(pl_module.device)
+        self._profiler.stop()
+        self._stopped, self._profiler = (self._profiler, trainer.global_step - self._first, pl_module.device), None
+
+    def on_fit_end(self, trainer, pl_module):
+        """Written once training is over, so that the epoch times do not include it."""
+        if self._stopped is None:
+            return
+        from xmc_repro import trace_gaps
+
+        profiler, steps, device = self._stopped
+        self._stopped = None
+        cuda = device.type == "cuda"
+        self.dirpath.mkdir(parents=True, exist_ok=True)
+        trace = self.dirpath / "profile-trace.json.gz"
+        profiler.export_chrome_trace(str(trace))
+        summary = f"profile of training steps {self._first + 1}-{self._first + steps} ({trace})\n"
+        if cuda:
+            summary += trace_gaps.report(trace_gaps.load(trace), max(steps, 1))
+        table = profiler.key_averages().table(sort_by="self_cuda_time_total" if cuda else "self_cpu_time_total",
+                                              row_limit=25, max_name_column_width=60)
+        (self.dirpath / "profile.txt").write_text(f"{summary}{table}\n")
+        print(summary, end="", flush=True)

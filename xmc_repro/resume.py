@@ -23,6 +23,7 @@ RESUMABLE_SETTINGS = (
     "trainer.num_workers",
     "trainer.eval_batch_size",
     "trainer.checkpoint_every_n_steps",
+    "trainer.profile_steps",
 )
 LIVE_SECTIONS = ("resume", "logger", "hydra")  # always taken from the command line
 

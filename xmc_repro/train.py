@@ -17,6 +17,7 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
 from xmc_repro import checkpoints
+from xmc_repro.callbacks import StepProfile
 from xmc_repro.console import EpochLine, ProgressBar
 from xmc_repro.data import build_datamodule
 from xmc_repro.describe import run_name
@@ -111,8 +112,10 @@ def build_callbacks(cfg: DictConfig, checkpoint_dir: Path, info: dict | None = N
     for name, spec in cfg.callbacks.items():
         made = instantiate_with(spec)
         callbacks[name] = made(**run_args.get(name, {})) if isinstance(made, functools.partial) else made
-    # Not from the config: trainer.progress_bar may change when a run is resumed.
+    # Not from the config: these settings may change when a run is resumed.
     callbacks["progress"] = ProgressBar() if cfg.trainer.progress_bar else EpochLine()  # the latter: a line an epoch
+    if cfg.trainer.get("profile_steps"):
+        callbacks["profile"] = StepProfile(checkpoint_dir, int(cfg.trainer.profile_steps))
     return callbacks
 
 

@@ -114,6 +114,7 @@ def validate(cfg: DictConfig) -> None:
         if not isinstance(OmegaConf.select(cfg, key, default=True), bool):
             raise ConfigError(f"{key}={OmegaConf.select(cfg, key)!r} must be true or false")
     _optional_positive(cfg, t + "checkpoint_every_n_steps", "or null for a checkpoint at every epoch end only")
+    _optional_positive(cfg, t + "profile_steps", "or null for no profile")
     _optional_positive(cfg, "dataset.rewire_every_n_steps", "or null for no rewiring by steps")
     number(cfg, "dataset.dropout", low=0, high=1, high_open=True)
     if cfg.validate_on not in ("test", "holdout"):
