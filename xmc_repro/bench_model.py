@@ -224,8 +224,8 @@ def _timed_windows(step, steps: int, device, windows: int = 5) -> list[float]:
 
 
 def _row(shape: ModelShape, model, way: str, precision: str, step_ms: float) -> dict:
-    return {"model": shape.name, "way": way, "precision": precision, "head": shape.head, "features": shape.features, "labels": shape.labels,
-            "intermediate": shape.intermediate,
+    return {"model": shape.name, "way": way, "precision": precision, "head": shape.head, "features": shape.features,
+            "labels": shape.labels, "intermediate": shape.intermediate,
             "connectivity": shape.connectivity if shape.head == "uniform" else None, "batch": shape.batch,
             "parameters": sum(p.numel() for p in model.parameters()), "step_ms": step_ms}
 
@@ -289,8 +289,9 @@ def measure_lightning(shape: ModelShape, device, steps: int, warmup: int, precis
     batches = [_batch(shape, torch.device("cpu"), seed=i) for i in range(warmup + steps)]
     loader = DataLoader(batches, batch_size=None, pin_memory=cuda)
     clock = Clock()
-    trainer = pl.Trainer(accelerator=device.type, devices=1, precision=precision, max_steps=warmup + steps, logger=False,
-                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+    trainer = pl.Trainer(accelerator=device.type, devices=1, precision=precision, max_steps=warmup + steps,
+                         logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                         enable_model_summary=False,
                          limit_val_batches=0, num_sanity_val_steps=0, callbacks=[clock])
     if cuda:
         gc.collect()
@@ -315,7 +316,8 @@ def markdown(info: dict, rows: list[dict], scale: float) -> str:
              + ". "
              f"Amazon-670K's shapes scaled by {scale:g}; batch 32. Times in ms; `step ms` = mean over all timed "
              "steps, `windows` = the fastest and slowest of 5 consecutive windows of them; per phase (medians) "
-             "`host / device` = time to issue it / its span on the device; `overhead` = step minus the phases' device time.", "",
+             "`host / device` = time to issue it / its span on the device; `overhead` = step minus the phases' device "
+             "time.", "",
              "| model | way | precision | labels | intermediate | parameters | step ms | windows ms "
              "| phases: host / device ms | overhead ms | peak GiB | params+Adam GiB |",
              "|---|---|---|---:|---:|---:|---:|---:|---|---:|---:|---:|"]
@@ -338,15 +340,16 @@ def markdown(info: dict, rows: list[dict], scale: float) -> str:
     for r in rows:
         dense = by.get(("dense", r["way"], r["precision"]))
         if r["model"] == "uniform" and dense:
-            lines.append(f"- {r['way']}, {r['precision']}: uniform step {dense / r['step_ms']:.2f}x faster than dense "
-                         "(same run, same device).")
+            lines.append(f"- {r['way']}, {r['precision']}: uniform step {dense / r['step_ms']:.2f}x faster than "
+                         "dense (same run, same device).")
     return "\n".join(lines) + "\n"
 
 
 def profile(shape: ModelShape, device, way: str, precision: str, steps: int, warmup: int,
             trace: Path) -> tuple[str, str]:
     """torch.profiler over ``steps`` steps of one model and way: the top ops and, on a GPU, where and why the device
-    idles (``xmc_repro.trace_gaps``), as (summary, table). The Chrome trace is kept in ``trace`` (open it in Perfetto)."""
+    idles (``xmc_repro.trace_gaps``), as (summary, table). The Chrome trace is kept in ``trace`` (Perfetto opens
+    it)."""
     from torch.profiler import ProfilerActivity, record_function
 
     from xmc_repro import trace_gaps
@@ -365,12 +368,8 @@ def profile(shape: ModelShape, device, way: str, precision: str, steps: int, war
             for _ in range(steps):
                 step(record_function)
             sync()
-    prof.export_chrome_trace(str(trace))
-    head = f"== {shape.name}, {way}, {precision}, {steps} steps (trace: {trace.name})"
-    gaps = trace_gaps.report(trace_gaps.load(trace), steps) if cuda else ""
-    table = prof.key_averages().table(sort_by="self_cuda_time_total" if cuda else "self_cpu_time_total",
-                                      row_limit=25, max_name_column_width=60)
-    return f"{head}\n{gaps}", f"{table}\n"
+    gaps, table = trace_gaps.profile_report(prof, trace, steps, cuda)
+    return f"== {shape.name}, {way}, {precision}, {steps} steps (trace: {trace.name})\n{gaps}", table
 
 
 def run(device, scale: float, steps: int, warmup: int, out: Path, profile_steps: int = 0,

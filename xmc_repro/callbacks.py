@@ -205,14 +205,9 @@ class StepProfile(pl.Callback):
 
         profiler, steps, device = self._stopped
         self._stopped = None
-        cuda = device.type == "cuda"
         self.dirpath.mkdir(parents=True, exist_ok=True)
         trace = self.dirpath / "profile-trace.json.gz"
-        profiler.export_chrome_trace(str(trace))
-        summary = f"profile of training steps {self._first + 1}-{self._first + steps} ({trace})\n"
-        if cuda:
-            summary += trace_gaps.report(trace_gaps.load(trace), max(steps, 1))
-        table = profiler.key_averages().table(sort_by="self_cuda_time_total" if cuda else "self_cpu_time_total",
-                                              row_limit=25, max_name_column_width=60)
-        (self.dirpath / "profile.txt").write_text(f"{summary}{table}\n")
+        gaps, table = trace_gaps.profile_report(profiler, trace, steps, device.type == "cuda")
+        summary = f"profile of training steps {self._first + 1}-{self._first + steps} ({trace})\n{gaps}"
+        (self.dirpath / "profile.txt").write_text(summary + table)
         print(summary, end="", flush=True)

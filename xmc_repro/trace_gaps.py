@@ -132,3 +132,13 @@ def report(events: list[dict], steps: int, min_us: float = 2.0, top: int = 12) -
     lines.append("blocking CUDA calls: " + (", ".join(f"{name} x{n / steps:g} per step ({us / steps / 1e3:.3f} ms)"
                                                       for name, (n, us) in sorted(calls.items())) or "none"))
     return "\n".join(lines) + "\n"
+
+
+def profile_report(profiler, trace: Path, steps: int, cuda: bool) -> tuple[str, str]:
+    """For a stopped torch.profiler over ``steps`` steps: writes its Chrome trace to ``trace`` and returns (on a GPU
+    the idle-gap report, else "", the top ops)."""
+    profiler.export_chrome_trace(str(trace))
+    gaps = report(load(trace), max(steps, 1)) if cuda else ""
+    table = profiler.key_averages().table(sort_by="self_cuda_time_total" if cuda else "self_cpu_time_total",
+                                          row_limit=25, max_name_column_width=60)
+    return gaps, table + "\n"

@@ -2,9 +2,9 @@
 
 A run's *configuration* is read from its flattened config (MLflow params such as `model/head`) and tags
 (`table`, `scale`); seeds are not part of it, they are what the export averages over. Other training settings
-(`SETTINGS`: init, learning rate, dropout, ...) join it where runs of one configuration differ in them. The paper names rows by
-(dataset, features, setup, connectivity, intermediate, loss); `paper_key` translates a configuration into that
-name, so that published and measured values can stand side by side.
+(`SETTINGS`: init, learning rate, dropout, ...) join it where runs of one configuration differ in them. The
+paper names rows by (dataset, features, setup, connectivity, intermediate, loss); `paper_key` translates a
+configuration into that name, so that published and measured values can stand side by side.
 """
 
 from __future__ import annotations
