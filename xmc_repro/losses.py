@@ -151,15 +151,19 @@ class TrainingLossLog:
         self._pending: list[tuple[int, int]] = []  # (step, batch size) of each buffered loss
         self._sum, self._points = 0.0, 0
 
-    def new_epoch(self) -> None:
-        self.flush()
+    def new_epoch(self) -> tuple[float, int] | None:
+        """Start the epoch's mean afresh; returns what `flush` finds among losses still unread."""
+        bad = self.flush()
         self._sum, self._points = 0.0, 0
+        return bad
 
     def add(self, loss: torch.Tensor, step: int, batch_size: int, flush: bool = False) -> tuple[float, int] | None:
         """Record this step's loss; returns (loss value, step) of the first non-finite loss once it is read."""
         loss = loss.detach()
         if self._buffer is None or self._buffer.device != loss.device:
-            self.flush()
+            bad = self.flush()  # the losses held on the previous device
+            if bad is not None:
+                return bad
             self._buffer = torch.empty(self.every, dtype=torch.float64, device=loss.device)
         self._buffer[len(self._pending)].copy_(loss)
         self._pending.append((step, batch_size))

@@ -199,7 +199,7 @@ class XMCClassifier(pl.LightningModule):
         return self._losses.epoch_mean
 
     def on_train_epoch_start(self):
-        self._losses.new_epoch()
+        self._stop_if_non_finite(self._losses.new_epoch())
 
     def on_train_epoch_end(self):
         mean = self.epoch_loss()
