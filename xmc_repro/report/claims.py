@@ -12,18 +12,18 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from xmc_repro.report.identity import DEFAULT_SETTINGS_TABLES
+
 REAL_DATA = ("Bibtex", "Delicious")
 TOLERANCE = 1.0  # percentage points of P@k within which two models count as level
 MEMORY_FACTOR = 3.0  # the paper: uniform needs 3-10 times less GPU memory than dense
 KS = (1, 3, 5)
 HOLDS, FAILS, UNMEASURABLE = "holds", "does not hold here", "not measurable here"
 PARTLY = "holds where measured; the rest is not measurable here"
-DEFAULT_SETTINGS_TABLES = ("claims", "table1", "table2", "table3", "table4", "table5")
 
 
 def _trained(runs: list[dict]) -> list[dict]:
-    return [r for r in runs if r["scale"] != "smoke" and r["test_p1"] and r["table"] in DEFAULT_SETTINGS_TABLES
-            and not r.get("settings")]
+    return [r for r in runs if r["scale"] != "smoke" and r["test_p1"] and r["table"] in DEFAULT_SETTINGS_TABLES]
 
 
 def pick(runs: list[dict], dataset: str, setup: str, connectivity: str = "", intermediate: str = "",

@@ -33,11 +33,13 @@ CONFIG_COLUMNS = (
     "table", "scale", "dataset", "features", "setup", "connectivity", "intermediate", "bottleneck", "mach_hashes",
     "mach_buckets", "loss", "precision", "settings",
 )  # fmt: skip
-# Settings that change what a run trains or measures besides the columns above: param key -> short name. Where
-# runs of one configuration differ in some of them, the `settings` column gives each run's values of those (the
-# `differences` table changes one at a time), so that such runs are never averaged as seeds of one another or
-# replace one another as reruns. Where no run of a configuration changes them, the column stays empty, as in the
-# rows of the paper's tables and in the expected grid.
+# Tables whose runs use the project's default settings (the paper's presets and the claims sweep): there a run
+# whose settings differ from an earlier one's is a rerun after the defaults changed, and replaces it.
+DEFAULT_SETTINGS_TABLES = ("claims", "table1", "table2", "table3", "table4", "table5")
+# Settings that change what a run trains or measures besides the columns above: param key -> short name. In other
+# tables (`differences` changes one at a time), where runs of one configuration differ in some of them, the
+# `settings` column gives each run's values of those, so that such runs are never averaged as seeds of one
+# another or replace one another as reruns. Elsewhere the column stays empty, as in the expected grid.
 SETTINGS = {
     "model/init": "init", "model/distinct_sources": "distinct_sources",
     "model/rewire_exact_count": "rewire_exact_count", "model/rewire_fraction": "rewire_fraction",
@@ -88,12 +90,13 @@ def configuration(params: dict, tags: dict) -> dict[str, str]:
 
 
 def split_by_settings(configs: list[dict], params: list[dict]) -> None:
-    """Fill the `settings` of each run's configuration (``configs[i]`` is the run with ``params[i]``): the values of
-    the `SETTINGS` in which runs of the same configuration differ. A run that does not log a setting (it predates
+    """Fill the `settings` of each run's configuration (``configs[i]`` is the run with ``params[i]``) outside the
+    `DEFAULT_SETTINGS_TABLES`: the values of the `SETTINGS` in which runs of the same configuration differ. A run that does not log a setting (it predates
     it) differs from none in it; where others differ in it, it shows `?` for it."""
     groups: dict[tuple, list[int]] = {}
     for i, config in enumerate(configs):
-        groups.setdefault(config_key(config), []).append(i)
+        if config["table"] not in DEFAULT_SETTINGS_TABLES:
+            groups.setdefault(config_key(config), []).append(i)
     for members in groups.values():
         differ = [key for key in SETTINGS if len({_value(params[i], key) for i in members} - {""}) > 1]
         for i in members:
