@@ -31,6 +31,7 @@ def _trace():
         _x("cuda_runtime", "cudaGraphLaunch", 210, 5, HOST, correlation=3),
         _x("kernel", "graph_kernel", 320, 80, DEVICE, correlation=3),
         _x("gpu_memset", "Memset", 330, 10, DEVICE, correlation=3),  # overlaps: one busy interval
+        _x("kernel", "graph_kernel_2", 330, 10, {"pid": 0, "tid": 8}, correlation=3),  # same span, another stream
         _x("cuda_runtime", "cudaStreamSynchronize", 400, 10, HOST, correlation=4),
         _x("cuda_runtime", "cudaMemcpyAsync", 420, 3, HOST, correlation=5),  # not blocking
     ]

@@ -50,7 +50,8 @@ class Gap:
 
 def _busy(events: list[dict]) -> list[tuple[float, float, dict]]:
     """Merged busy intervals of the device, each with the device event that opens it."""
-    spans = sorted((e["ts"], e["ts"] + e.get("dur", 0), e) for e in events if e.get("cat") in DEVICE_CATEGORIES)
+    spans = sorted(((e["ts"], e["ts"] + e.get("dur", 0), e) for e in events if e.get("cat") in DEVICE_CATEGORIES),
+                   key=lambda span: span[:2])
     merged: list[list] = []
     for start, end, event in spans:
         if merged and start <= merged[-1][1]:
