@@ -88,3 +88,12 @@ def test_a_step_profile_covers_the_asked_steps_and_lands_in_the_runs_folder(tmp_
     assert "profile of training steps 3-5" in capsys.readouterr().out
     ops = [e["name"] for e in trace_gaps.load(tmp_path / "run" / "profile-trace.json.gz")]
     assert ops.count("xmc_sparse::forward") == 3  # the three profiled steps' forwards, nothing else
+
+
+def test_a_run_too_short_for_its_step_profile_says_so(tmp_path, capsys):
+    model = XMCClassifier(TINY["num_features"], TINY["num_labels"], head="uniform", connectivity=4, intermediate=32)
+    trainer = quiet_trainer(tmp_path, max_steps=3, limit_val_batches=0, accelerator="cpu",
+                            callbacks=[StepProfile(tmp_path / "run", steps=3)])
+    trainer.fit(model, datamodule=build_datamodule(TINY, batch_size=16, seed=0))
+    assert "no profile: training ended at step 3, before step 101" in capsys.readouterr().out
+    assert not (tmp_path / "run").exists()

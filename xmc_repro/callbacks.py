@@ -199,6 +199,9 @@ class StepProfile(pl.Callback):
 
     def on_fit_end(self, trainer, pl_module):
         """Written once training is over, so that the epoch times do not include it."""
+        if self._first is None and trainer.global_rank == 0:
+            print(f"no profile: training ended at step {trainer.global_step}, before step {self.start + 1} where "
+                  "trainer.profile_steps starts", flush=True)
         if self._stopped is None:
             return
         from xmc_repro import trace_gaps
