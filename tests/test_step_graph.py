@@ -31,9 +31,9 @@ def test_positions_from_the_fixed_buffers_are_the_sorted_list_padded_with_its_la
     gen = generator(seed)
     rows, labels = int(torch.randint(1, 9, (1,), generator=gen)), int(torch.randint(5, 40, (1,), generator=gen))
     ptr, idx = label_lists(gen, rows, labels, most=4, least=0)  # rows without labels among them
-    idx[1:] = torch.where(torch.rand(idx.numel() - 1, generator=gen) < 0.2, idx[:-1], idx[1:])  # repeats
     if idx.numel() == 0:
         ptr[-1], idx = 1, torch.tensor([labels - 1])
+    idx[1:] = torch.where(torch.rand(idx.numel() - 1, generator=gen) < 0.2, idx[:-1], idx[1:])  # repeats
     want = positive_positions(ptr, idx, labels, "cpu")
     capacity = idx.numel() + int(torch.randint(0, 9, (1,), generator=gen))
     got = padded_positions(ptr[1:].clone(), _buffer(idx, capacity), labels)
