@@ -183,7 +183,7 @@ def test_the_graph_steps_bookkeeping_trains_as_eager_steps_do_on_a_cpu(loss, hea
     monkeypatch.setattr(torch.cuda, "Stream", lambda device=None: Stream())
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: Stream())
     monkeypatch.setattr(torch.cuda, "stream", lambda stream: contextlib.nullcontext())
-    monkeypatch.setattr(torch.cuda, "graph", lambda graph: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "graph", lambda graph, stream=None: contextlib.nullcontext())
     monkeypatch.setattr(torch.cuda, "CUDAGraph", _ReplayedEagerly)
     init = StepGraph.__init__
 

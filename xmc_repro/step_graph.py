@@ -86,6 +86,9 @@ class StepGraph:
         self.graph: torch.cuda.CUDAGraph | None = None
         self.captures = 0
         self._key = None
+        # One side stream for every warm-up and capture: cuBLAS keeps a workspace per stream it ran on, so a new
+        # stream per capture (at every rewiring) would leave 65 MiB behind each time.
+        self._stream: torch.cuda.Stream | None = None
         self._autocast: torch.dtype | None = None
 
     def _tensors_key(self):
@@ -110,7 +113,9 @@ class StepGraph:
         self.static_ends = label_ptr[1:].to(x.device, torch.long, copy=True)
         self.static_labels = torch.zeros(capacity_for(label_idx.numel()), dtype=torch.long, device=x.device)
         self.static_labels[:label_idx.numel()].copy_(label_idx)
-        side = torch.cuda.Stream(device=x.device)
+        if self._stream is None:
+            self._stream = torch.cuda.Stream(device=x.device)
+        side = self._stream
         side.wait_stream(torch.cuda.current_stream(x.device))
         with torch.cuda.stream(side):
             for _ in range(WARMUP_STEPS):
@@ -121,7 +126,7 @@ class StepGraph:
         for p in params:  # the graph allocates the gradients it writes at every replay
             p.grad = None
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
+        with torch.cuda.graph(graph, stream=side):
             self.static_loss = self._forward_backward()
         self.params, self.static_grads = params, [p.grad for p in params]
         self.graph = graph
