@@ -83,14 +83,14 @@ def test_loss_log_on_the_cpu_reports_at_once_and_keeps_the_epochs_weighted_mean(
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_loss_log_on_a_gpu_reads_every_n_steps_and_names_the_first_bad_step():
     log = TrainingLossLog(every=4)
-    losses = [0.5, 0.4, float("inf"), float("nan"), 0.1, 0.2, 0.3, 0.4]
+    losses = [torch.tensor(v, device="cuda") for v in (0.5, 0.4, float("inf"), float("nan"))]  # (a copy: syncs)
     torch.cuda.set_sync_debug_mode("error")  # a read of the loss between the checks would raise
     try:
-        found = [log.add(torch.tensor(v, device="cuda"), step=i, batch_size=4) for i, v in enumerate(losses[:3])]
+        found = [log.add(loss, step=i, batch_size=4) for i, loss in enumerate(losses[:3])]
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert found == [None, None, None] and log.epoch_mean is None
-    assert log.add(torch.tensor(losses[3], device="cuda"), step=3, batch_size=4) == (float("inf"), 2)
+    assert log.add(losses[3], step=3, batch_size=4) == (float("inf"), 2)
     clean = TrainingLossLog(every=100)
     assert clean.add(torch.tensor(0.5, device="cuda"), step=0, batch_size=4) is None and clean.epoch_mean is None
     assert clean.add(torch.tensor(0.25, device="cuda"), step=1, batch_size=12, flush=True) is None
