@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Everything a lent GPU should measure, in one call (run from the repository root; about 7 minutes):
+# Everything a lent GPU should measure, in one call (run from the repository root; 5.5 minutes on an H100):
 #   bash scripts/gpu_all.sh
 # 1. builds the CPU+CUDA kernels (XMC_SPARSE_BACKEND=compiled: a failed CUDA build is an error here),
 # 2. runs every `cuda`-marked test,
