@@ -10,7 +10,6 @@ outlives a graph.
 from __future__ import annotations
 
 import argparse
-import gc
 from types import SimpleNamespace
 
 import torch
@@ -27,7 +26,6 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--cycles", type=int, default=6)
     ap.add_argument("--steps", type=int, default=20)
-    ap.add_argument("--collect", action="store_true", help="run Python's cycle collector after each rewiring")
     ap.add_argument("--clear-workspaces", action="store_true", help="free cuBLAS's workspaces after each rewiring")
     args = ap.parse_args()
     device = torch.device("cuda")
@@ -52,8 +50,6 @@ def main() -> None:
         torch.cuda.synchronize()
         stepping = torch.cuda.memory_allocated() / MIB
         rewiring.rewire(trainer, model)
-        if args.collect:
-            gc.collect()
         if args.clear_workspaces:
             torch._C._cuda_clearCublasWorkspaces()
         torch.cuda.synchronize()

@@ -1,8 +1,8 @@
 """Run records -> results/runs.csv: one row per configuration of the paper's tables and machine it ran on.
 
 Only FINISHED runs tagged with a `table` count (a FAILED or still RUNNING run is never a result). Per
-configuration (with the settings its runs differ in, `identity.split_by_settings`), machine (the `device` tag: a CPU, or the CUDA card's name) and seed the latest run wins (a rerun
-replaces the old one); over seeds the row gives the mean and the sample standard deviation of every metric.
+configuration (with the settings its runs differ in, `identity.split_by_settings`), machine (the `device` tag: a
+CPU, or the CUDA card's name) and seed the latest run wins (a rerun replaces the old one); over seeds the row gives the mean and the sample standard deviation of every metric.
 Runs of one configuration on two cards stay two rows: their memory and time are not comparable.
 """
 

@@ -36,23 +36,18 @@ CONFIG_COLUMNS = (
 # Tables whose runs use the project's default settings (the paper's presets and the claims sweep): there a run
 # whose settings differ from an earlier one's is a rerun after the defaults changed, and replaces it.
 DEFAULT_SETTINGS_TABLES = ("claims", "table1", "table2", "table3", "table4", "table5")
-# Settings that change what a run trains or measures besides the columns above: param key -> short name. In other
+# Settings that change what a run trains or measures besides the columns above (shown by `setting_name`). In other
 # tables (`differences` changes one at a time), where runs of one configuration differ in some of them, the
 # `settings` column gives each run's values of those, so that such runs are never averaged as seeds of one
 # another or replace one another as reruns. Elsewhere the column stays empty, as in the expected grid.
-SETTINGS = {
-    "model/init": "init", "model/distinct_sources": "distinct_sources",
-    "model/rewire_exact_count": "rewire_exact_count", "model/rewire_fraction": "rewire_fraction",
-    "model/rewire_schedule": "rewire_schedule", "model/bottleneck_activation": "bottleneck_activation",
-    "model/mach/decode": "mach_decode", "dataset/dropout": "dropout", "dataset/normalize": "normalize",
-    "dataset/rewire_every_n_steps": "rewire_every_n_steps", "dataset/rewire_every_epoch": "rewire_every_epoch",
-    "trainer/max_epochs": "max_epochs", "trainer/lr": "lr", "trainer/adam_eps": "adam_eps",
-    "trainer/batch_size": "batch_size", "trainer/lr_factor": "lr_factor", "trainer/lr_patience": "lr_patience",
-    "trainer/lr_threshold": "lr_threshold", "trainer/min_lr": "min_lr",
-    "trainer/early_stop_patience": "early_stop_patience", "trainer/early_stop_min_delta": "early_stop_min_delta",
-    "trainer/limit_train_batches": "limit_train_batches", "trainer/train_eval_max_points": "train_eval_max_points",
-    "validate_on": "validate_on",
-}  # fmt: skip
+SETTINGS = (
+    "model/init", "model/distinct_sources", "model/rewire_exact_count", "model/rewire_fraction",
+    "model/rewire_schedule", "model/bottleneck_activation", "model/mach/decode", "dataset/dropout",
+    "dataset/normalize", "dataset/rewire_every_n_steps", "dataset/rewire_every_epoch", "trainer/max_epochs",
+    "trainer/lr", "trainer/adam_eps", "trainer/batch_size", "trainer/lr_factor", "trainer/lr_patience",
+    "trainer/lr_threshold", "trainer/min_lr", "trainer/early_stop_patience", "trainer/early_stop_min_delta",
+    "trainer/limit_train_batches", "trainer/train_eval_max_points", "validate_on",
+)  # fmt: skip
 NO_SCALE = "none"  # a run tagged with a table but launched without a scale
 
 
@@ -89,10 +84,15 @@ def configuration(params: dict, tags: dict) -> dict[str, str]:
     }
 
 
+def setting_name(key: str) -> str:
+    """A setting's name in the `settings` column: its param key without the group (`model/mach/decode`: mach_decode)."""
+    return key.split("/", 1)[-1].replace("/", "_")
+
+
 def split_by_settings(configs: list[dict], params: list[dict]) -> None:
     """Fill the `settings` of each run's configuration (``configs[i]`` is the run with ``params[i]``) outside the
-    `DEFAULT_SETTINGS_TABLES`: the values of the `SETTINGS` in which runs of the same configuration differ. A run that does not log a setting (it predates
-    it) differs from none in it; where others differ in it, it shows `?` for it."""
+    `DEFAULT_SETTINGS_TABLES`: the values of the `SETTINGS` in which runs of the same configuration differ. A run
+    that does not log a setting (it predates it) differs from none in it; where others differ in it, it shows `?`."""
     groups: dict[tuple, list[int]] = {}
     for i, config in enumerate(configs):
         if config["table"] not in DEFAULT_SETTINGS_TABLES:
@@ -100,7 +100,7 @@ def split_by_settings(configs: list[dict], params: list[dict]) -> None:
     for members in groups.values():
         differ = [key for key in SETTINGS if len({_value(params[i], key) for i in members} - {""}) > 1]
         for i in members:
-            configs[i]["settings"] = "; ".join(f"{SETTINGS[key]}={_value(params[i], key) or '?'}" for key in differ)
+            configs[i]["settings"] = "; ".join(f"{setting_name(key)}={_value(params[i], key) or '?'}" for key in differ)
 
 
 def config_key(config: dict) -> tuple[str, ...]:

@@ -15,7 +15,6 @@ from .rewire import (distinct_positions, lowest_magnitude, redraw_sources_, redr
                      sample_uniform_sources)
 
 
-
 def _csr(crow, col, values, shape):
     with warnings.catch_warnings():  # torch warns that CSR support is "beta" on every first use
         warnings.simplefilter("ignore")

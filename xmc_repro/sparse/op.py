@@ -198,8 +198,8 @@ def uniform_sparse_linear(x: torch.Tensor, indices: torch.Tensor, weight: torch.
     x (batch, in_features) float32; indices (connectivity, out_features) int32; weight like indices;
     bias (out_features,) or None. Under ``torch.autocast`` x may be bf16/fp16: the scores come out in the
     weight's dtype; bf16 x with float32 weights is gathered as bf16 by the compiled CUDA kernels (float32
-    accumulation), and cast to the weight's dtype elsewhere. bf16 x is also taken outside autocast there. ``check_indices=True`` (or env
-    ``XMC_SPARSE_CHECK_INDICES=1``) verifies that every index lies in [0, in_features) --
+    accumulation), and cast to the weight's dtype elsewhere. bf16 x is also taken outside autocast there.
+    ``check_indices=True`` (or env ``XMC_SPARSE_CHECK_INDICES=1``) verifies that every index lies in [0, in_features) --
     out-of-range indices are undefined behaviour in the compiled kernels.
     """
     if check_indices is None:
