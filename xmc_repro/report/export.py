@@ -2,8 +2,9 @@
 
 Only FINISHED runs tagged with a `table` count (a FAILED or still RUNNING run is never a result). Per
 configuration (with the settings its runs differ in, `identity.split_by_settings`), machine (the `device` tag: a
-CPU, or the CUDA card's name) and seed the latest run wins (a rerun replaces the old one); over seeds the row gives the mean and the sample standard deviation of every metric.
-Runs of one configuration on two cards stay two rows: their memory and time are not comparable.
+CPU, or the CUDA card's name) and seed the latest run wins (a rerun replaces the old one); over seeds the row
+gives the mean and the sample standard deviation of every metric. Runs of one configuration on two cards stay two
+rows: their memory and time are not comparable.
 """
 
 from __future__ import annotations
