@@ -1,21 +1,24 @@
 #!/usr/bin/env bash
-# Everything a lent GPU should measure, in one call (run from the repository root; 5.5 minutes on an H100):
+# Everything a lent GPU should measure, in one call (run from the repository root; about 7 minutes on an H100):
 #   bash scripts/gpu_all.sh
 # 1. builds the CPU+CUDA kernels (XMC_SPARSE_BACKEND=compiled: a failed CUDA build is an error here),
 # 2. runs every `cuda`-marked test,
-# 3. the whole-model step, dense beside uniform (eager, CUDA graph, Lightning; 32-true and bf16-mixed), Amazon-670K
-#    shapes, and a profile
-#    of the uniform step each way (the device's idle time per step and what the host did meanwhile, the top
-#    kernels, a Chrome trace),
-# 4. the layer benchmark at the headline shape (670,091 labels, 16,384 inputs, 32, batch 32), float32 and bf16
-#    inputs, with the L2 read bandwidth,
-# 5. one full epoch of the pipeline at Amazon-670K's shape (uniform, 32k intermediate layer, graph step), at each
-#    of EPOCH_PRECISIONS (default "32-true bf16-mixed"; the deadline skips what does not fit), with a profile of
-#    20 of its steps (trainer.profile_steps: where the real loop leaves the GPU idle),
-# 6. with BIBTEX=1: Bibtex through the pipeline, seed 0, float32 and bf16-mixed (P@k against the CPU runs; measured
+# 3. memory: scripts/gpu_graph_memory.py, the graphed and the eager step across rewirings and evaluations, with
+#    what was allocated at each peak,
+# 4. the whole-model step, dense beside uniform (eager, CUDA graph, Lightning; 32-true and bf16-mixed), Amazon-670K
+#    shapes, and a profile of the uniform step each way (the device's idle time per step and what the host did
+#    meanwhile, the top kernels, a Chrome trace),
+# 5. the layer benchmark at the headline shape (670,091 labels, 16,384 inputs, 32, batch 32), float32 and bf16
+#    inputs, with the L2 read bandwidth of the probe kernel,
+# 6. one full epoch of the pipeline at Amazon-670K's shape (uniform, 32k intermediate layer, graph step), at each
+#    of EPOCH_PRECISIONS (default "32-true bf16-mixed"), with a profile of 20 of its steps (trainer.profile_steps:
+#    where the real loop leaves the GPU idle); then the dense model's epoch at 32-true (the epoch's dense/uniform
+#    ratio; about 2.5 minutes),
+# 7. with BIBTEX=1: Bibtex through the pipeline, seed 0, float32 and bf16-mixed (P@k against the CPU runs; measured
 #    on an H200 at 17de686, README), if its files are carried
 #    in .gpu_data/Bibtex (XMC_SHARED_DATA): mkdir -p .gpu_data/Bibtex && cp ../shared/data/Bibtex/*_xc.txt
 #    .gpu_data/Bibtex/ (.gpu_data and .whl listed in .git/info/exclude, both named in the call's carry).
+# SKIP="model epoch-bf16-mixed ..." skips steps by name. The deadline skips what does not fit.
 # Logs, results and the MLflow store are packed into $OUT/gpu_all.tgz (few files come back); a summary is printed
 # last. Each step has its own timeout, all share a deadline of BUDGET_S seconds, and a failing step does not stop
 # the next. hydra and mlflow: carry .whl/ from ../shared/gpu/wheels.sh.
@@ -39,6 +42,7 @@ export PYTHONPATH="$HOME/site:$PWD"
 status=()
 step() {  # step NAME SECONDS CMD...: run with a timeout (capped by the deadline), log to $LOGS/NAME.log
   local name=$1 secs=$2; shift 2
+  case " ${SKIP:-} " in *" $name "*) status+=("$name: skipped (SKIP)"); return;; esac
   local left=$((BUDGET_S - SECONDS))
   if [ "$left" -lt 15 ]; then status+=("$name: skipped, deadline"); return; fi
   [ "$secs" -gt "$left" ] && secs=$left
@@ -56,15 +60,21 @@ import time; t = time.time()
 from xmc_repro.sparse import build, op
 print(op.ensure_registered(), 'archs', build.cuda_archs(), f'first load (compile) {time.time() - t:.0f} s')"
 step tests 130 python3 -m pytest -m cuda ${TESTS:-tests} -q -p no:cacheprovider
+step memory-graph 60 python3 scripts/gpu_graph_memory.py --snapshot
+step memory-eager 60 python3 scripts/gpu_graph_memory.py --snapshot --eager
 step model 240 python3 -m xmc_repro.bench --model --device cuda --out results/bench --steps 50 --profile 10
 step layer 70 python3 -m xmc_repro.bench --device cuda --out results/bench --max-cases ${LAYER_CASES:-2} \
   --methods uniform,uniform-bf16,csr,dense
+epoch() {  # epoch NAME MODEL PRECISION SECONDS [overrides...]: one epoch of the pipeline at Amazon-670K's shape
+  local name=$1 model=$2 precision=$3 secs=$4; shift 4
+  step "$name" "$secs" python3 -m xmc_repro dataset=synthetic_amazon670k dataset.num_train=${EPOCH_POINTS:-490449} \
+    dataset.num_test=10000 trainer.max_epochs=1 trainer.precision=$precision trainer.progress_bar=false \
+    trainer.train_eval_max_points=10000 table=gpu_check model=$model "$@"
+}
 for precision in ${EPOCH_PRECISIONS:-32-true bf16-mixed}; do
-  step "epoch-$precision" 170 python3 -m xmc_repro dataset=synthetic_amazon670k dataset.num_train=${EPOCH_POINTS:-490449} \
-    dataset.num_test=10000 trainer.max_epochs=1 trainer.precision=$precision \
-    trainer.progress_bar=false trainer.train_eval_max_points=10000 table=gpu_check model=uniform model.intermediate=32768 \
-    trainer.profile_steps=20
+  epoch "epoch-$precision" uniform "$precision" 170 model.intermediate=32768 trainer.profile_steps=20
 done
+epoch epoch-dense-32-true dense 32-true 240
 for d in checkpoints/*/; do  # the epochs' step profiles, named by run
   run=$(basename "$d")
   [ -f "$d/profile.txt" ] && cp "$d/profile.txt" "$LOGS/profile-$run.txt" && cp "$d/profile-trace.json.gz" "$LOGS/profile-trace-$run.json.gz"
@@ -84,6 +94,7 @@ printf '%s\n' "${status[@]}"
 grep -E "passed|failed|error" "$LOGS/tests.log" | tail -3
 sed -n '/^| model /,$p' "$LOGS/model.log"
 cat results/bench/*-model-profile.txt 2>/dev/null | grep -E "^==|^device span|^host during|^  +[0-9.]+  |^blocking"
-for p in 32-true bf16-mixed; do [ -f "$LOGS/epoch-$p.log" ] && grep -E "^epoch |peak GPU|MLflow run|^profile of|^device span|^host during|^  +[0-9.]+  |^blocking" "$LOGS/epoch-$p.log" | tail -20; done
+grep -E "^(cycle|sanity|evaluation|graph|eager|allocated at)|MiB .* blocks" "$LOGS"/memory-*.log
+for p in 32-true bf16-mixed dense-32-true; do [ -f "$LOGS/epoch-$p.log" ] && grep -E "^epoch |peak GPU|MLflow run|^profile of|^device span|^host during|^  +[0-9.]+  |^blocking" "$LOGS/epoch-$p.log" | tail -20; done
 sed -n '/^case /,$p' "$LOGS/layer.log"
 for p in 32-true bf16-mixed; do [ -f "$LOGS/bibtex-$p.log" ] && grep -E "test|seconds per epoch" "$LOGS/bibtex-$p.log" | tail -3; done

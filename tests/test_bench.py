@@ -65,3 +65,19 @@ def test_benchmark_uses_only_public_names_of_the_sparse_package():
         text = (ROOT / "xmc_repro" / source).read_text()
         assert not re.search(r"from xmc_repro\.sparse\.\w+ import .*\b_\w+", text), source
         assert "autograd.Function" not in text, source  # the op's backward lives in sparse/op.py only
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+def test_l2_read_probe_reads_every_value_and_reports_a_bandwidth_above_dram_copy():
+    from xmc_repro.sparse import op
+
+    if op.backend("cuda") != "compiled-cuda":
+        pytest.skip("no compiled CUDA kernels")
+    values = torch.rand(4 * 1000, device="cuda")  # not a multiple of the blocks: each block still reads it all
+    out = torch.ops.xmc_bench.l2_read(values, 3)
+    assert torch.allclose(out.sum(dim=1), 3 * values.sum().expand(out.shape[0]), rtol=1e-4)
+    device = torch.device("cuda")
+    assert bench.l2_bandwidth(device) > bench.copy_bandwidth(device)  # L2 serves reads faster than DRAM copies
+    with pytest.raises(RuntimeError, match="multiple of 4"):
+        torch.ops.xmc_bench.l2_read(values[:6], 1)

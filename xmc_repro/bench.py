@@ -14,7 +14,7 @@ over the device's measured copy bandwidth. Peak memory is what a phase allocates
 
 The uniform layer's gathers are served from L2, not DRAM: every (batch row, connection, label) product reads
 its own input value. Its second floor, ``L2 floor``, is those gathered bytes (and the input gradient's atomic
-adds) over a measured L2 read bandwidth (``l2_bandwidth``).
+adds) over the L2 read bandwidth measured by a purpose-built kernel (``l2_bandwidth``).
 """
 from __future__ import annotations
 
@@ -132,15 +132,22 @@ def copy_bandwidth(device) -> float:
     return 2 * 4 * n / (ms / 1e3)
 
 
+L2_PROBE_BYTES = 8 << 20  # well under the L2 of an H100/H200 (50 MB)
+
+
 def l2_bandwidth(device) -> float | None:
-    """Read bandwidth (bytes/s) of data that stays in L2: one sum over an 8 MiB buffer seen 64 times (a stride-0
-    view, so the kernel re-reads the same addresses); None on a CPU. One long kernel: a copy of a buffer that fits
-    in L2 lasts a few microseconds and measures its launch instead (2.5 TB/s on an H200, below its DRAM copy)."""
-    if device.type != "cuda":
+    """Read bandwidth (bytes/s) of data that stays in L2, by the purpose-built kernel ``xmc_bench::l2_read``
+    (cuda_ext/cuda/l2_read_probe.cu: every block reads one 8 MiB buffer through L2, bypassing L1, in one long
+    launch). None on a CPU or without the compiled CUDA kernels. A buffer of ones checks that every load ran."""
+    if device.type != "cuda" or sparse_op.ensure_registered().get("cuda") != "compiled-cuda":
         return None
-    src = torch.randn((8 << 20) // 4, device=device)
-    view = src.expand(64, -1)
-    return view.numel() * 4 / (time_ms(view.sum, device, warmup=3, repeats=10) / 1e3)
+    probe = torch.ops.xmc_bench.l2_read
+    ones = torch.ones(L2_PROBE_BYTES // 4, device=device)
+    out = probe(ones, 1)
+    per_thread = ones.numel() / out.shape[1]
+    if not torch.all(out == per_thread):
+        raise RuntimeError(f"l2_read summed {out.min().item()}..{out.max().item()} per thread, not {per_thread}")
+    return out.shape[0] * L2_PROBE_BYTES / (time_ms(lambda: probe(ones, 1), device, warmup=3, repeats=10) / 1e3)
 
 
 def l2_bytes(case: Case, active: float, input_bytes: int = 4) -> dict[str, float]:

@@ -24,7 +24,7 @@ import torch
 from xmc_repro.resources import resource_dir
 
 SOURCES_CPU = ("ops.cpp", "cpu/uniform_sparse_cpu.cpp", "cpu/squared_hinge_cpu.cpp")
-SOURCES_CUDA = ("cuda/uniform_sparse_cuda.cu", "cuda/squared_hinge_cuda.cu")
+SOURCES_CUDA = ("cuda/uniform_sparse_cuda.cu", "cuda/squared_hinge_cuda.cu", "cuda/l2_read_probe.cu")
 HEADERS = ("schema.h", "checks.h")
 CFLAGS = ["-O3", "-fopenmp"]
 LDFLAGS = ["-fopenmp"]

@@ -1,0 +1,89 @@
+"""What was allocated at the moment of peak GPU memory, from torch's allocator history.
+
+``torch.cuda.max_memory_allocated`` says how high memory went, not what held it. With the allocator's history
+recorded (``recording()``), ``live_at_peak`` replays its alloc/free events, finds the moment the allocated total
+was highest and groups the blocks alive then by where they were allocated: the innermost Python frame, which
+names the torch function (a cuBLAS workspace shows as the matmul that first needed it on its stream), and the
+innermost frame of this project (or of the calling script) that led there.
+"""
+from __future__ import annotations
+
+import contextlib
+from collections import defaultdict
+
+MIB = 2**20
+PROJECT_MARKERS = ("xmc_repro/", "scripts/")
+
+
+@contextlib.contextmanager
+def recording(max_entries: int = 2_000_000):
+    """Record the CUDA allocator's alloc/free events, with the Python stack of each alloc, until the block ends."""
+    import torch
+
+    torch.cuda.memory._record_memory_history(context="alloc", stacks="python", max_entries=max_entries)
+    try:
+        yield
+    finally:
+        torch.cuda.memory._record_memory_history(enabled=None)
+
+
+def _frame(frame: dict) -> str:
+    name = frame.get("name", "?")
+    filename = frame.get("filename", "")
+    if not filename or filename == "??":
+        return name
+    return f"{name} ({filename.rsplit('/', 1)[-1]}:{frame.get('line', '?')})"
+
+
+def allocation_site(frames: list[dict]) -> str:
+    """'innermost frame <- innermost project frame' (frames innermost first, as torch records them)."""
+    inner = _frame(frames[0]) if frames else "?"
+    project = next((f for f in frames if any(m in f.get("filename", "") for m in PROJECT_MARKERS)), None)
+    return inner if project is None or project is frames[0] else f"{inner} <- {_frame(project)}"
+
+
+def live_at_peak(events: list[dict], top: int = 12) -> tuple[int, list[tuple[str, int, int]]]:
+    """The highest allocated total over ``events`` (one device's trace) and the blocks alive then, grouped by
+    allocation site: ``(peak_bytes, [(site, bytes, blocks), ...])`` largest first, at most ``top`` groups (the
+    rest summed as 'other'). Blocks allocated before the recording started are not in the trace: the peak is
+    relative to the memory allocated then.
+
+    A block counts as freed at its first free event (``free_requested``, or ``free_completed`` when the
+    request was not recorded), as the allocator's own statistics do.
+    """
+    live: dict[int, tuple[int, list[dict]]] = {}
+    total = peak = 0
+    at_peak: dict[int, tuple[int, list[dict]]] = {}
+    for event in events:
+        action, addr = event.get("action"), event.get("addr")
+        if action == "alloc":
+            live[addr] = (event["size"], event.get("frames", []))
+            total += event["size"]
+            if total > peak:
+                peak, at_peak = total, dict(live)
+        elif action in ("free_requested", "free_completed") and addr in live:
+            total -= live.pop(addr)[0]
+    groups: dict[str, list[int]] = defaultdict(lambda: [0, 0])
+    for size, frames in at_peak.values():
+        group = groups[allocation_site(frames)]
+        group[0] += size
+        group[1] += 1
+    ranked = sorted(((site, b, n) for site, (b, n) in groups.items()), key=lambda g: -g[1])
+    if len(ranked) > top:
+        rest = ranked[top:]
+        ranked = ranked[:top] + [("other", sum(g[1] for g in rest), sum(g[2] for g in rest))]
+    return peak, ranked
+
+
+def peak_report(device=None, top: int = 12) -> str:
+    """``live_at_peak`` of the recorded history of ``device`` (the current CUDA device by default), as text."""
+    import torch
+
+    snapshot = torch.cuda.memory._snapshot(device)
+    index = torch.cuda.current_device() if device is None else torch.device(device).index or 0
+    traces = snapshot.get("device_traces", [])
+    events = traces[index] if index < len(traces) else []
+    peak, ranked = live_at_peak(events, top)
+    lines = [f"allocated at the peak (recorded blocks only): {peak / MIB:.1f} MiB, by allocation site:"]
+    lines += [f"  {size / MIB:9.1f} MiB  {count:5d} blocks  {site}" for site, size, count in ranked]
+    return "\n".join(lines)
