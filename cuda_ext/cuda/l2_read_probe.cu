@@ -16,6 +16,8 @@
 #include <ATen/ATen.h>
 #include <ATen/cuda/CUDAContext.h>
 
+#include <cstdint>
+
 namespace xmc_bench {
 namespace {
 
@@ -44,7 +46,7 @@ at::Tensor l2_read_cuda(const at::Tensor& buffer, int64_t passes) {
   TORCH_CHECK(passes > 0, "l2_read: passes must be positive");
   const c10::cuda::CUDAGuard guard(buffer.device());
   const int blocks = at::cuda::getCurrentDeviceProperties()->multiProcessorCount * 4;
-  auto out = at::empty({blocks, kThreads}, buffer.options());
+  auto out = at::empty({static_cast<int64_t>(blocks), static_cast<int64_t>(kThreads)}, buffer.options());
   l2_read_kernel<<<blocks, kThreads, 0, c10::cuda::getCurrentCUDAStream()>>>(
       reinterpret_cast<const float4*>(buffer.data_ptr<float>()), buffer.numel() / 4,
       static_cast<int>(passes), out.data_ptr<float>());
