@@ -121,8 +121,9 @@ class StepGraph:
         return loss.detach()
 
     def _capture(self, x: torch.Tensor, label_ptr: torch.Tensor, label_idx: torch.Tensor) -> None:
-        self.graph = None  # frees the old graph's memory first
-        free_cublas_workspaces(x.device)  # the current stream's, left by evaluation or eager steps
+        # The old graph's memory first: its gradients and buffers would otherwise stay allocated through the new
+        # capture (a recapture for a smaller last batch, or for more labels than the buffer holds).
+        self.release()
         params = [p for p in self.model.parameters() if p.requires_grad]
         self.static_x = x.detach().clone()
         self.static_ends = label_ptr[1:].to(x.device, torch.long, copy=True)
@@ -175,15 +176,14 @@ class StepGraph:
         return self.static_loss.clone()  # the logger may keep it past the next replay
 
     def release(self) -> None:
-        """Free the graph and its memory (gradients and activations included); the next step captures anew."""
-        had_graph = self.graph is not None
+        """Free the graph and its memory (gradients and activations included) and cuBLAS's workspaces; the next
+        step captures anew."""
         self.graph = self._key = None
         self.params = self.static_grads = []
         self.static_x = self.static_ends = self.static_labels = self.static_loss = None
         for p in self.model.parameters():  # the attached gradients live in the graph's memory
             p.grad = None
-        if had_graph:
-            free_cublas_workspaces(self.model.device)  # the capture stream's
+        free_cublas_workspaces(self.model.device)
 
     def attach_grads(self) -> None:
         for p, g in zip(self.params, self.static_grads):
