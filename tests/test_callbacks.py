@@ -7,7 +7,7 @@ import pytest
 import torch
 from conftest import TINY, quiet_trainer
 
-from xmc_repro.callbacks import Rewiring, StepProfile
+from xmc_repro.callbacks import MemoryPeakReport, Rewiring, StepProfile
 from xmc_repro.data import build_datamodule
 from xmc_repro.model import XMCClassifier
 
@@ -97,3 +97,28 @@ def test_a_run_too_short_for_its_step_profile_says_so(tmp_path, capsys):
     trainer.fit(model, datamodule=build_datamodule(TINY, batch_size=16, seed=0))
     assert "no profile: training ended at step 3, before step 101" in capsys.readouterr().out
     assert not (tmp_path / "run").exists()
+
+
+def test_a_memory_report_off_a_gpu_says_so_and_writes_nothing(tmp_path, capsys):
+    model = XMCClassifier(TINY["num_features"], TINY["num_labels"], head="uniform", connectivity=4, intermediate=32)
+    trainer = quiet_trainer(tmp_path, max_steps=2, limit_val_batches=0, accelerator="cpu",
+                            callbacks=[MemoryPeakReport(tmp_path / "run")])
+    trainer.fit(model, datamodule=build_datamodule(TINY, batch_size=16, seed=0))
+    assert "no memory report: the run is not on a CUDA device" in capsys.readouterr().out
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+def test_a_memory_report_breaks_down_the_runs_peak(tmp_path):
+    model = XMCClassifier(TINY["num_features"], TINY["num_labels"], head="uniform", connectivity=4, intermediate=32)
+    trainer = quiet_trainer(tmp_path, max_steps=4, limit_val_batches=0, accelerator="gpu",
+                            callbacks=[MemoryPeakReport(tmp_path / "run")])
+    before = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    trainer.fit(model, datamodule=build_datamodule(TINY, batch_size=16, seed=0))
+    text = (tmp_path / "run" / "memory-peak.txt").read_text()
+    peak = float(text.split("recorded blocks only): ")[1].split(" MiB")[0])
+    # The model was made on the CPU, so its move to the GPU is recorded too: the recorded peak is the fit's own.
+    assert abs(peak - (torch.cuda.max_memory_allocated() - before) / 2**20) < 0.1
+    assert "_init_group" in text  # Adam's state, allocated by its first step

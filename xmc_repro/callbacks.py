@@ -214,3 +214,40 @@ class StepProfile(pl.Callback):
         summary = f"profile of training steps {self._first + 1}-{self._first + steps} ({trace})\n{gaps}"
         (self.dirpath / "profile.txt").write_text(summary + table)
         print(summary, end="", flush=True)
+
+
+class MemoryPeakReport(pl.Callback):
+    """`trainer.memory_report=true`: what was allocated at the run's peak GPU memory, by allocation site
+    (`xmc_repro.memory_peak`), written to the run's folder as `memory-peak.txt` and printed at the end of fit.
+
+    The allocator's history is recorded from setup on (the model's parameters included), rank 0 only; recording
+    adds host time to every allocation, so epoch times of such a run are not for comparison.
+    """
+
+    def __init__(self, dirpath: Path):
+        self.dirpath = Path(dirpath)
+        self._device = None
+
+    def setup(self, trainer, pl_module, stage):
+        if stage != "fit" or trainer.global_rank != 0:
+            return
+        if not (torch.cuda.is_available() and trainer.strategy.root_device.type == "cuda"):
+            print("no memory report: the run is not on a CUDA device", flush=True)
+            return
+        from xmc_repro.memory_peak import start_recording
+
+        self._device = trainer.strategy.root_device
+        start_recording()
+
+    def on_fit_end(self, trainer, pl_module):
+        """Written once training is over, so that the epoch times do not include it."""
+        if self._device is None:
+            return
+        from xmc_repro.memory_peak import peak_report, stop_recording
+
+        text = peak_report(self._device)
+        stop_recording()
+        self._device = None
+        self.dirpath.mkdir(parents=True, exist_ok=True)
+        (self.dirpath / "memory-peak.txt").write_text(text + "\n")
+        print(f"{text}\n({self.dirpath / 'memory-peak.txt'})", flush=True)

@@ -1,7 +1,7 @@
 """What was allocated at the moment of peak GPU memory, from torch's allocator history.
 
 ``torch.cuda.max_memory_allocated`` says how high memory went, not what held it. With the allocator's history
-recorded (``recording()``), ``live_at_peak`` replays its alloc/free events, finds the moment the allocated total
+recorded (``recording()``, or ``start_recording``/``stop_recording``), ``live_at_peak`` replays its alloc/free events, finds the moment the allocated total
 was highest and groups the blocks alive then by where they were allocated: the innermost Python frame, which
 names the torch function (a cuBLAS workspace shows as the matmul that first needed it on its stream), and the
 innermost frame of this project (or of the calling script) that led there.
@@ -15,16 +15,27 @@ MIB = 2**20
 PROJECT_MARKERS = ("xmc_repro/", "scripts/")
 
 
-@contextlib.contextmanager
-def recording(max_entries: int = 2_000_000):
-    """Record the CUDA allocator's alloc/free events, with the Python stack of each alloc, until the block ends."""
+def start_recording(max_entries: int = 2_000_000) -> None:
+    """Record the CUDA allocator's alloc/free events, with the Python stack of each alloc."""
     import torch
 
     torch.cuda.memory._record_memory_history(context="alloc", stacks="python", max_entries=max_entries)
+
+
+def stop_recording() -> None:
+    import torch
+
+    torch.cuda.memory._record_memory_history(enabled=None)
+
+
+@contextlib.contextmanager
+def recording(max_entries: int = 2_000_000):
+    """``start_recording`` until the block ends."""
+    start_recording(max_entries)
     try:
         yield
     finally:
-        torch.cuda.memory._record_memory_history(enabled=None)
+        stop_recording()
 
 
 def _frame(frame: dict) -> str:

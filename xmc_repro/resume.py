@@ -24,6 +24,7 @@ RESUMABLE_SETTINGS = (
     "trainer.eval_batch_size",
     "trainer.checkpoint_every_n_steps",
     "trainer.profile_steps",
+    "trainer.memory_report",
 )
 LIVE_SECTIONS = ("resume", "logger", "hydra")  # always taken from the command line
 

@@ -17,7 +17,7 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
 from xmc_repro import checkpoints
-from xmc_repro.callbacks import StepProfile
+from xmc_repro.callbacks import MemoryPeakReport, StepProfile
 from xmc_repro.console import EpochLine, ProgressBar
 from xmc_repro.data import build_datamodule
 from xmc_repro.describe import run_name
@@ -116,6 +116,8 @@ def build_callbacks(cfg: DictConfig, checkpoint_dir: Path, info: dict | None = N
     callbacks["progress"] = ProgressBar() if cfg.trainer.progress_bar else EpochLine()  # the latter: a line an epoch
     if cfg.trainer.get("profile_steps"):
         callbacks["profile"] = StepProfile(checkpoint_dir, int(cfg.trainer.profile_steps))
+    if cfg.trainer.get("memory_report"):
+        callbacks["memory_report"] = MemoryPeakReport(checkpoint_dir)
     return callbacks
 
 

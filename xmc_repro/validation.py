@@ -110,7 +110,7 @@ def validate(cfg: DictConfig) -> None:
     number(cfg, t + "early_stop_patience", int, low=0, fix="epochs without improvement before stopping")
     number(cfg, t + "early_stop_min_delta", low=0)
     _limit_train_batches(cfg)
-    for key in (t + "progress_bar", t + "cuda_graph"):
+    for key in (t + "progress_bar", t + "cuda_graph", t + "memory_report"):
         if not isinstance(OmegaConf.select(cfg, key, default=True), bool):
             raise ConfigError(f"{key}={OmegaConf.select(cfg, key)!r} must be true or false")
     _optional_positive(cfg, t + "checkpoint_every_n_steps", "or null for a checkpoint at every epoch end only")
