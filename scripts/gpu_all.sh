@@ -61,8 +61,8 @@ from xmc_repro.sparse import build, op
 print(op.ensure_registered(), 'archs', build.cuda_archs(), f'first load (compile) {time.time() - t:.0f} s')"
 step tests 130 python3 -m pytest -m cuda ${TESTS:-tests} -q -p no:cacheprovider
 for graph in true false; do  # their own MLflow store: diagnostics, not records (recording slows every allocation)
-  step "memory-graph-$graph" 90 env MLFLOW_TRACKING_URI="sqlite:///$LOGS/memory_runs.db" python3 -m xmc_repro dataset=synthetic_amazon670k dataset.num_train=20000 \
-    dataset.num_test=10000 dataset.rewire_every_n_steps=50 trainer.max_epochs=1 trainer.progress_bar=false \
+  step "memory-graph-$graph" 90 env MLFLOW_TRACKING_URI="sqlite:///$LOGS/memory_runs.db" python3 -m xmc_repro \
+    dataset=synthetic_amazon670k dataset.num_train=20000 dataset.num_test=10000 dataset.rewire_every_n_steps=50 trainer.max_epochs=1 trainer.progress_bar=false \
     trainer.train_eval_max_points=10000 table=gpu_check model=uniform model.intermediate=32768 \
     trainer.cuda_graph=$graph trainer.memory_report=true
 done

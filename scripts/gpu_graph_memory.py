@@ -5,7 +5,7 @@ training steps each ended by a rewiring, then an evaluation.
     python scripts/gpu_graph_memory.py [--cycles 6] [--steps 20] [--eager] [--snapshot]
 
 Each cycle: `--steps` steps with fused Adam on fresh random batches (graphed, or eager with `--eager`, gradients
-freed before each step as Lightning does), then one rewiring through the pipeline's `Rewiring` callback code
+freed before each step), then one rewiring through the pipeline's `Rewiring` callback code
 (which releases the graph; the next step captures it again). Prints the memory allocated and the peak after each
 cycle: memory that grows from cycle to cycle is held by something that outlives a graph. `--snapshot` records the
 allocator's history and prints what was alive at the peak, by allocation site (xmc_repro.memory_peak).

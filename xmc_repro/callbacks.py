@@ -231,7 +231,7 @@ class MemoryPeakReport(pl.Callback):
     def setup(self, trainer, pl_module, stage):
         if stage != "fit" or trainer.global_rank != 0:
             return
-        if not (torch.cuda.is_available() and trainer.strategy.root_device.type == "cuda"):
+        if trainer.strategy.root_device.type != "cuda":
             print("no memory report: the run is not on a CUDA device", flush=True)
             return
         from xmc_repro.memory_peak import start_recording

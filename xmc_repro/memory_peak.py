@@ -1,10 +1,11 @@
 """What was allocated at the moment of peak GPU memory, from torch's allocator history.
 
 ``torch.cuda.max_memory_allocated`` says how high memory went, not what held it. With the allocator's history
-recorded (``recording()``, or ``start_recording``/``stop_recording``), ``live_at_peak`` replays its alloc/free events, finds the moment the allocated total
-was highest and groups the blocks alive then by where they were allocated: the innermost Python frame, which
-names the torch function (a cuBLAS workspace shows as the matmul that first needed it on its stream), and the
-innermost frame of this project (or of the calling script) that led there.
+recorded (``recording()``, or ``start_recording`` and ``stop_recording``), ``live_at_peak`` replays its alloc and
+free events, finds the moment the allocated total was highest and groups the blocks alive then by where they were
+allocated: the innermost Python frame, which names the torch function (a cuBLAS workspace shows as the matmul that
+first needed it on its stream), and the innermost frame of this project (or of the calling script) that led there.
+Blocks allocated where Python has no stack (autograd's backward thread) show as '?'.
 """
 from __future__ import annotations
 
