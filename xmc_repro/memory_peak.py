@@ -91,9 +91,10 @@ def peak_report(device=None, top: int = 12) -> str:
     """``live_at_peak`` of the recorded history of ``device`` (the current CUDA device by default), as text."""
     import torch
 
-    snapshot = torch.cuda.memory._snapshot(device)
-    index = torch.cuda.current_device() if device is None else torch.device(device).index or 0
-    traces = snapshot.get("device_traces", [])
+    index = torch.device(device).index if device is not None else None
+    if index is None:  # "cuda" without an index is the current device
+        index = torch.cuda.current_device()
+    traces = torch.cuda.memory._snapshot().get("device_traces", [])
     events = traces[index] if index < len(traces) else []
     peak, ranked = live_at_peak(events, top)
     lines = [f"allocated at the peak (recorded blocks only): {peak / MIB:.1f} MiB, by allocation site:"]
