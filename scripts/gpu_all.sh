@@ -9,7 +9,8 @@
 #    shapes, and a profile of the uniform step each way (the device's idle time per step and what the host did
 #    meanwhile, the top kernels, a Chrome trace),
 # 5. the layer benchmark at the headline shape (670,091 labels, 16,384 inputs, 32, batch 32), float32 and bf16
-#    inputs, with the L2 read bandwidth of the probe kernel,
+#    inputs, the op's kernels beside the warp-per-label candidates (uniform-rows), with the L2 read bandwidth of
+#    the probe kernel,
 # 6. one full epoch of the pipeline at Amazon-670K's shape (uniform, 32k intermediate layer, graph step), at each
 #    of EPOCH_PRECISIONS (default "32-true bf16-mixed"), with a profile of 20 of its steps (trainer.profile_steps:
 #    where the real loop leaves the GPU idle); then the dense model's epoch at 32-true (the epoch's dense/uniform
@@ -67,8 +68,8 @@ for graph in true false; do  # their own MLflow store: diagnostics, not records 
     trainer.cuda_graph=$graph trainer.memory_report=true
 done
 step model 240 python3 -m xmc_repro.bench --model --device cuda --out results/bench --steps 50 --profile 10
-step layer 70 python3 -m xmc_repro.bench --device cuda --out results/bench --max-cases ${LAYER_CASES:-2} \
-  --methods uniform,uniform-bf16,csr,dense
+step layer 100 python3 -m xmc_repro.bench --device cuda --out results/bench --max-cases ${LAYER_CASES:-2} \
+  --methods uniform,uniform-bf16,uniform-rows,uniform-rows-bf16,csr,dense
 epoch() {  # epoch NAME MODEL PRECISION SECONDS [overrides...]: one epoch of the pipeline at Amazon-670K's shape
   local name=$1 model=$2 precision=$3 secs=$4; shift 4
   step "$name" "$secs" python3 -m xmc_repro dataset=synthetic_amazon670k dataset.num_train=${EPOCH_POINTS:-490449} \

@@ -81,3 +81,24 @@ def test_l2_read_probe_reads_every_value_and_reports_a_bandwidth_above_dram_copy
     assert bench.l2_bandwidth(device) > bench.copy_bandwidth(device)  # L2 serves reads faster than DRAM copies
     with pytest.raises(RuntimeError, match="multiple of 4"):
         torch.ops.xmc_bench.l2_read(values[:6], 1)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+def test_the_candidate_kernels_are_benchmarked_beside_the_op_and_compute_what_it_computes():
+    from xmc_repro.sparse import op
+
+    if op.backend("cuda") != "compiled-cuda":
+        pytest.skip("no compiled CUDA kernels")
+    device = torch.device("cuda")
+    case = bench.Case(300, 64, 5, 7, "bce", ("uniform",))
+    p = bench.make_problem(case, device)
+    phases = bench.build_method(bench.ROWS, case, p, device)
+    torch.testing.assert_close(phases["forward"](), reference.forward(p["x"], p["idx"], p["w"], p["b"]))
+    torch.testing.assert_close(phases["backward_input"](), reference.backward_input(p["g"], p["idx"], p["w"], 64))
+    torch.testing.assert_close(phases["backward_weight"](), reference.backward_weight(p["g"], p["x"], p["idx"]))
+    rows = bench.run_case(case, device, 1e12, warmup=1, repeats=2, methods={"uniform", bench.ROWS, bench.ROWS_BF16},
+                          l2=5e12)
+    timed = {(r["method"], r["phase"]) for r in rows if "ms" in r}
+    assert {(m, "fwd+bwd") for m in ("uniform", bench.ROWS, bench.ROWS_BF16)} <= timed
+    assert all("x_l2_floor" in r for r in rows if "ms" in r)

@@ -1,12 +1,17 @@
-"""Building the compiled op: fallback without a compiler, concurrent first use sharing one build."""
+"""Building the compiled op: fallback without a compiler, concurrent first use sharing one build, the CUDA
+sources compiling where nvcc exists but no GPU does."""
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
+
+from xmc_repro.sparse import build
 
 PROBE = ("import torch, warnings; warnings.simplefilter('always');"
          "from xmc_repro.sparse import backend, uniform_sparse_linear as f;"
@@ -49,8 +54,6 @@ def test_concurrent_first_use_shares_one_build(tmp_path):
 
 def test_cache_key_names_the_gpu_architecture(monkeypatch):
     """A home directory shared by machines with different GPUs keeps one CUDA library per architecture."""
-    from xmc_repro.sparse import build
-
     src = build.source_dir()
     monkeypatch.delenv("TORCH_CUDA_ARCH_LIST", raising=False)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
@@ -67,12 +70,19 @@ def test_cache_key_names_the_gpu_architecture(monkeypatch):
 
 
 def test_cache_key_covers_headers(tmp_path, monkeypatch):
-    import shutil
-
-    from xmc_repro.sparse import build
-
     copy = tmp_path / "cuda_ext"
     shutil.copytree(build.source_dir(), copy)
     before = build._key("cpu", copy)
     (copy / "checks.h").write_text((copy / "checks.h").read_text() + "\n// changed\n")
     assert build._key("cpu", copy) != before
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="no nvcc")
+def test_the_cuda_sources_compile_without_a_gpu():
+    script = Path(__file__).resolve().parents[1] / "scripts" / "cuda_compile_check.py"
+    result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=900)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    for source in build.SOURCES_CUDA:
+        assert f"{Path(source).name}: compiled" in result.stdout
+    assert "forward_rows_kernel<float, Bf16>" in result.stdout

@@ -54,8 +54,11 @@ class Case:
 
 
 ALL = ("uniform", "reference", "csr", "coo", "dense")
-# Not in ALL (CUDA only, on request): our op with bf16 inputs, as bf16-mixed training hands them to it.
-BF16 = "uniform-bf16"
+# Not in ALL (CUDA only, on request): our op with bf16 inputs, as bf16-mixed training hands them to it, and the
+# warp-per-label candidate kernels (xmc_bench::rows_*, cuda_ext/cuda/uniform_sparse_rows_cuda.cu) with float32
+# and bf16 inputs.
+BF16, ROWS, ROWS_BF16 = "uniform-bf16", "uniform-rows", "uniform-rows-bf16"
+ON_REQUEST = (BF16, ROWS, ROWS_BF16)
 
 
 def paper_cases() -> list[Case]:
@@ -202,16 +205,23 @@ def build_method(name: str, case: Case, p: dict, device) -> dict:
     """Callables per phase for one method, or {"skip": reason}."""
     x, idx, w, b, g = p["x"], p["idx"], p["w"], p["b"], p["g"]
     wp, bp = torch.nn.Parameter(w.clone()), torch.nn.Parameter(b.clone())
-    if name == BF16:
-        xb = x.bfloat16()
-        ops = torch.ops.xmc_sparse
-        fwd = lambda: ops.forward(xb, idx, w, b)  # noqa: E731
-        bwd_in = lambda: ops.backward_input(g, idx, w, case.inputs)  # noqa: E731
-        bwd_w = lambda: ops.backward_weight(g, xb, idx)  # noqa: E731
-        layer = lambda: sparse_op.uniform_sparse_linear(xb, idx, wp, bp)  # noqa: E731
-        return {"forward": fwd, "backward_input": bwd_in, "backward_weight": bwd_w,
-                "fwd+bwd": lambda: (fwd(), bwd_in(), bwd_w(), g.sum(0)),
-                "step+adam": _step(layer, _adam([wp, bp], device), g)}
+    if name in ON_REQUEST:
+        xin = x.bfloat16() if name.endswith("bf16") else x
+        if name == BF16:
+            fwd_op, bwd_in_op, bwd_w_op = (getattr(torch.ops.xmc_sparse, n) for n in
+                                           ("forward", "backward_input", "backward_weight"))
+        else:
+            fwd_op, bwd_in_op, bwd_w_op = (getattr(torch.ops.xmc_bench, n) for n in
+                                           ("rows_forward", "rows_backward_input", "rows_backward_weight"))
+        fwd = lambda: fwd_op(xin, idx, w, b)  # noqa: E731
+        bwd_in = lambda: bwd_in_op(g, idx, w, case.inputs)  # noqa: E731
+        bwd_w = lambda: bwd_w_op(g, xin, idx)  # noqa: E731
+        phases = {"forward": fwd, "backward_input": bwd_in, "backward_weight": bwd_w,
+                  "fwd+bwd": lambda: (fwd(), bwd_in(), bwd_w(), g.sum(0))}
+        if name == BF16:  # the candidates have no autograd path
+            layer = lambda: sparse_op.uniform_sparse_linear(xin, idx, wp, bp)  # noqa: E731
+            phases["step+adam"] = _step(layer, _adam([wp, bp], device), g)
+        return phases
     if name in ("uniform", "reference"):
         # The same three kernels, compiled or pure torch; only the compiled op is timed through autograd
         # (the package's one backward), the reference's step being its fwd+bwd plus Adam.
@@ -276,7 +286,7 @@ def build_method(name: str, case: Case, p: dict, device) -> dict:
                 "fwd+bwd": lambda: (fwd(), bwd_in(), bwd_w(), g.sum(0)),
                 "step+adam": _step(lambda: lin(xd), _adam(list(lin.parameters()), device), g),
                 "label": f"dense nn.Linear({inputs}, {case.labels})", "dense_inputs": inputs}
-    raise ValueError(f"unknown method {name!r}; choose from {', '.join(ALL + (BF16,))}")
+    raise ValueError(f"unknown method {name!r}; choose from {', '.join(ALL + ON_REQUEST)}")
 
 
 def make_problem(case: Case, device, seed: int = 0) -> dict:
@@ -301,9 +311,10 @@ def run_case(case: Case, device, bandwidth: float, warmup: int, repeats: int, me
     p = make_problem(case, device)
     active = float((p["g"] != 0).any(0).float().mean())
     floors = floor_bytes(case, active)
-    gathers = {"uniform": l2_bytes(case, active), BF16: l2_bytes(case, active, input_bytes=2)}
+    gathers = {name: l2_bytes(case, active, input_bytes=2 if name.endswith("bf16") else 4)
+               for name in ("uniform",) + ON_REQUEST}
     rows = []
-    extra = (BF16,) if methods and BF16 in methods and device.type == "cuda" else ()
+    extra = tuple(m for m in ON_REQUEST if methods and m in methods and device.type == "cuda")
     for name in case.methods + extra:
         if methods and name not in methods:
             continue
@@ -421,7 +432,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
     ap.add_argument("--full", action="store_true", help="the paper's shapes (default on a GPU)")
     ap.add_argument("--out", default="results/bench", help="folder for the JSON and markdown results")
-    ap.add_argument("--methods", default=None, help=f"comma list from {','.join(ALL)} (default: per case)")
+    ap.add_argument("--methods", default=None,
+                    help=f"comma list from {','.join(ALL)}, on a GPU also {','.join(ON_REQUEST)} (default: per case)")
     ap.add_argument("--max-cases", type=int, default=None, help="run only the first N cases")
     ap.add_argument("--budget-s", type=float, default=None, help="start no new case after this many seconds")
     ap.add_argument("--warmup", type=int, default=None, help="default 3 on a GPU, 1 on CPU")

@@ -8,13 +8,11 @@
 // the same lines at the same time. The result is (blocks, threads): each thread's sum of what it
 // read (the loads are not dead code, and a caller can check the total). Bytes read = passes *
 // buffer bytes * blocks.
+#include <ATen/core/Tensor.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 #include <torch/library.h>
-
-#include <ATen/ATen.h>
-#include <ATen/cuda/CUDAContext.h>
 
 #include <cstdint>
 
@@ -45,8 +43,10 @@ at::Tensor l2_read_cuda(const at::Tensor& buffer, int64_t passes) {
   TORCH_CHECK(reinterpret_cast<uintptr_t>(buffer.data_ptr()) % 16 == 0, "l2_read: buffer must be 16-byte aligned");
   TORCH_CHECK(passes > 0, "l2_read: passes must be positive");
   const c10::cuda::CUDAGuard guard(buffer.device());
-  const int blocks = at::cuda::getCurrentDeviceProperties()->multiProcessorCount * 4;
-  auto out = at::empty({static_cast<int64_t>(blocks), static_cast<int64_t>(kThreads)}, buffer.options());
+  int sms = 0;
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, buffer.get_device()));
+  const int blocks = sms * 4;
+  auto out = buffer.new_empty({static_cast<int64_t>(blocks), static_cast<int64_t>(kThreads)});
   l2_read_kernel<<<blocks, kThreads, 0, c10::cuda::getCurrentCUDAStream()>>>(
       reinterpret_cast<const float4*>(buffer.data_ptr<float>()), buffer.numel() / 4,
       static_cast<int>(passes), out.data_ptr<float>());

@@ -12,9 +12,8 @@
 #include <c10/cuda/CUDAStream.h>
 #include <torch/library.h>
 
-#include <type_traits>
-
 #include "../checks.h"
+#include "uniform_sparse_common.cuh"
 
 namespace xmc_sparse {
 namespace {
@@ -23,11 +22,6 @@ constexpr int kThreads = 128;
 // Forward: connections whose index/weight loads are issued together (more requests in flight).
 // The backward kernels measured faster without this (fewer registers, higher occupancy).
 constexpr int kUnroll = 4;
-
-// A bf16 input value as stored (its upper 16 bits are the float32's).
-struct Bf16 {
-  uint16_t bits;
-};
 
 // Four consecutive inputs, converted to the accumulation type (aligned to 4 values: bpad is a multiple of 4).
 __device__ __forceinline__ void load4(const float* p, float (&v)[4]) {
@@ -184,14 +178,6 @@ __global__ void __launch_bounds__(kThreads) backward_weight_kernel(
 int pick_v(int64_t batch) { return batch <= 4 ? 1 : batch <= 8 ? 2 : batch <= 16 ? 4 : 8; }
 int64_t padded(int64_t batch, int v) { return (batch + 4 * v - 1) / (4 * v) * (4 * v); }
 
-// x (batch, in) -> xt (in, bpad), rows beyond batch zero.
-at::Tensor transpose_padded(const at::Tensor& x, int64_t bpad) {
-  if (bpad == x.size(0)) return x.t().contiguous();
-  auto xt = x.new_zeros({x.size(1), bpad});
-  xt.narrow(1, 0, x.size(0)).copy_(x.t());
-  return xt;
-}
-
 template <typename F>
 void with_v(int v, F&& f) {
   switch (v) {
@@ -200,23 +186,6 @@ void with_v(int v, F&& f) {
     case 4: f(std::integral_constant<int, 4>{}); break;
     default: f(std::integral_constant<int, 8>{}); break;
   }
-}
-
-// f(T{}, TX{}): the accumulation/weight type and the input type (bf16 inputs only with float32 weights).
-template <typename F>
-void with_types(const at::Tensor& x, const at::Tensor& weight, F&& f) {
-  AT_DISPATCH_FLOATING_TYPES(weight.scalar_type(), "uniform_sparse_cuda", [&] {
-    if (x.scalar_type() == at::kBFloat16) {
-      if constexpr (std::is_same_v<scalar_t, float>) f(float{}, Bf16{});
-    } else {
-      f(scalar_t{}, scalar_t{});
-    }
-  });
-}
-
-template <typename TX>
-const TX* data_as(const at::Tensor& t) {
-  return reinterpret_cast<const TX*>(t.const_data_ptr());
 }
 
 unsigned blocks_for(int64_t labels) { return static_cast<unsigned>((labels + kThreads - 1) / kThreads); }

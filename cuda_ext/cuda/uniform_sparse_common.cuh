@@ -1,0 +1,44 @@
+// What the CUDA kernels of the uniform sparse op (uniform_sparse_cuda.cu) and their warp-per-label
+// candidates (uniform_sparse_rows_cuda.cu) share: the bf16 input type, the transposed inputs and the
+// dtype dispatch.
+#pragma once
+#include <ATen/Dispatch.h>
+#include <ATen/core/Tensor.h>
+
+#include <cstdint>
+#include <type_traits>
+
+namespace xmc_sparse {
+
+// A bf16 input value as stored (its upper 16 bits are the float32's).
+struct Bf16 {
+  uint16_t bits;
+};
+
+// x (batch, in) -> xt (in, bpad), rows beyond batch zero: one connection's inputs for the whole batch
+// are one contiguous row.
+inline at::Tensor transpose_padded(const at::Tensor& x, int64_t bpad) {
+  if (bpad == x.size(0)) return x.t().contiguous();
+  auto xt = x.new_zeros({x.size(1), bpad});
+  xt.narrow(1, 0, x.size(0)).copy_(x.t());
+  return xt;
+}
+
+// f(T{}, TX{}): the accumulation/weight type and the input type (bf16 inputs only with float32 weights).
+template <typename F>
+void with_types(const at::Tensor& x, const at::Tensor& weight, F&& f) {
+  AT_DISPATCH_FLOATING_TYPES(weight.scalar_type(), "uniform_sparse_cuda", [&] {
+    if (x.scalar_type() == at::kBFloat16) {
+      if constexpr (std::is_same_v<scalar_t, float>) f(float{}, Bf16{});
+    } else {
+      f(scalar_t{}, scalar_t{});
+    }
+  });
+}
+
+template <typename TX>
+const TX* data_as(const at::Tensor& t) {
+  return reinterpret_cast<const TX*>(t.const_data_ptr());
+}
+
+}  // namespace xmc_sparse

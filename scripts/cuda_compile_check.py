@@ -1,0 +1,86 @@
+"""Compile the CUDA kernel sources with nvcc on a machine without a GPU (or without a CUDA build of torch), and
+print each kernel's registers, stack and spills: a CUDA change is checked before a GPU call builds it.
+
+    python scripts/cuda_compile_check.py [--arch 90] [--jobs 2]
+
+Objects are not linked or kept. A CPU build of torch ships the CUDA headers except one generated file
+(c10/cuda/impl/cuda_cmake_macros.h), which is written to a temporary folder here. Exit status 1 when a file fails.
+"""
+from __future__ import annotations
+
+import argparse
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import torch.utils.cpp_extension as cpp_extension
+
+from xmc_repro.sparse import build
+
+
+def nvcc_command(source: Path, arch: str, includes: list[str]) -> list[str]:
+    flags = ["-std=c++20", "-O3", "--expt-relaxed-constexpr", "--resource-usage", "-D_GLIBCXX_USE_CXX11_ABI=1",
+             f"-gencode=arch=compute_{arch},code=sm_{arch}"]
+    return ["nvcc", "-c", str(source), "-o", "/dev/null", *flags, *(f"-I{p}" for p in includes)]
+
+
+def kernel_usage(ptxas_output: str) -> list[str]:
+    """One line per kernel: its name with template arguments, registers, stack and spill bytes."""
+    lines, name = [], None
+    for line in ptxas_output.splitlines():
+        if m := re.search(r"Compiling entry function '(\w+)'", line):
+            name = demangle(m.group(1))
+        elif m := re.search(r"(\d+) bytes stack frame, (\d+) bytes spill stores", line):
+            stack, spills = m.groups()
+        elif name and (m := re.search(r"Used (\d+) registers", line)):
+            lines.append(f"  {name:58s} {m.group(1):>3s} registers, stack {stack} B, spills {spills} B")
+            name = None
+    return lines
+
+
+def demangle(symbol: str) -> str:
+    """``kernel<args>`` from a mangled kernel symbol (the symbol itself without c++filt)."""
+    if shutil.which("c++filt") is None:
+        return symbol
+    full = subprocess.run(["c++filt", symbol], capture_output=True, text=True).stdout.strip()
+    m = re.search(r"(\w+(?:<[^()]*>)?)\(", full)
+    return (m.group(1) if m else full).replace("xmc_sparse::", "")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--arch", default="90", help="compute capability without the dot (default 90: H100/H200)")
+    ap.add_argument("--jobs", type=int, default=2)
+    args = ap.parse_args(argv)
+    if shutil.which("nvcc") is None:
+        print("nvcc is not on PATH: install the CUDA toolkit (or run on the GPU machine)", file=sys.stderr)
+        return 1
+    src = build.source_dir()
+    with tempfile.TemporaryDirectory() as stub:
+        includes = cpp_extension.include_paths()
+        macros = Path(includes[0], "c10/cuda/impl/cuda_cmake_macros.h")
+        if not macros.exists():
+            (Path(stub) / "c10/cuda/impl").mkdir(parents=True)
+            (Path(stub) / "c10/cuda/impl/cuda_cmake_macros.h").write_text("#pragma once\n")
+            includes = [stub, *includes]
+        sources = [src / name for name in build.SOURCES_CUDA]
+        with ThreadPoolExecutor(args.jobs) as pool:
+            results = list(pool.map(lambda s: subprocess.run(nvcc_command(s, args.arch, includes), capture_output=True,
+                                                             text=True), sources))
+    failed = 0
+    for source, result in zip(sources, results):
+        if result.returncode:
+            failed += 1
+            errors = [line for line in result.stderr.splitlines() if "error" in line]
+            print(f"{source.name}: FAILED\n" + "\n".join(errors or result.stderr.splitlines()[-20:]))
+        else:
+            print(f"{source.name}: compiled for sm_{args.arch}\n" + "\n".join(kernel_usage(result.stderr)))
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,79 @@
+"""The warp-per-label candidate kernels (``xmc_bench::rows_*``, cuda_ext/cuda/uniform_sparse_rows_cuda.cu) against
+the pure-torch reference and the op's own kernels, forward and both backward, on fresh random inputs of odd shapes:
+batch and connectivity below, at and above a warp (32), labels not a multiple of the 32-label tile, repeated
+sources, all-zero and dense gradients, float32, float64 and bf16 inputs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import generator
+
+from xmc_repro.sparse import reference
+from xmc_repro.sparse.op import backend, ensure_registered
+
+pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")]
+
+# (batch, inputs, labels, connectivity)
+SHAPES = [(1, 1, 1, 1), (3, 40, 40, 37), (5, 300, 1001, 7), (17, 64, 33, 32), (32, 257, 129, 32),
+          (33, 70, 95, 33), (70, 128, 200, 64), (4, 20000, 31, 3)]
+
+
+@pytest.fixture(scope="module")
+def ops():
+    ensure_registered()
+    if backend("cuda") != "compiled-cuda":
+        pytest.skip("the candidate kernels need the compiled CUDA kernels")
+    return torch.ops.xmc_bench
+
+
+def _problem(batch, inputs, labels, connectivity, density, dtype, seed):
+    gen = generator(seed)
+    x = torch.randn(batch, inputs, generator=gen, dtype=dtype)
+    idx = torch.randint(inputs, (connectivity, labels), generator=gen, dtype=torch.int32)
+    w = torch.randn(connectivity, labels, generator=gen, dtype=dtype)
+    b = torch.randn(labels, generator=gen, dtype=dtype)
+    g = torch.randn(batch, labels, generator=gen, dtype=dtype) * (torch.rand(batch, labels, generator=gen) < density)
+    return [t.cuda() for t in (x, idx, w, b, g)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["f32", "f64"])
+@pytest.mark.parametrize("density", [1.0, 0.01, 0.0])
+@pytest.mark.parametrize("shape", SHAPES, ids=["x".join(map(str, s)) for s in SHAPES])
+def test_rows_kernels_match_the_reference_and_the_op(ops, shape, density, dtype):
+    batch, inputs, labels, connectivity = shape
+    x, idx, w, b, g = _problem(*shape, density, dtype, seed=sum(shape))
+    op = torch.ops.xmc_sparse
+    for bias in (b, None):
+        out = ops.rows_forward(x, idx, w, bias)
+        torch.testing.assert_close(out, reference.forward(x, idx, w, bias))
+        torch.testing.assert_close(out, op.forward(x, idx, w, bias))
+    grad_x = ops.rows_backward_input(g, idx, w, inputs)
+    torch.testing.assert_close(grad_x, reference.backward_input(g, idx, w, inputs))
+    torch.testing.assert_close(grad_x, op.backward_input(g, idx, w, inputs))
+    grad_w = ops.rows_backward_weight(g, x, idx)
+    torch.testing.assert_close(grad_w, reference.backward_weight(g, x, idx))
+    torch.testing.assert_close(grad_w, op.backward_weight(g, x, idx))
+    if density == 0.0:
+        assert not grad_x.any() and not grad_w.any()  # every label skipped, nothing left unwritten
+
+
+@pytest.mark.parametrize("shape", [(1, 7, 5, 3), (5, 300, 1001, 7), (33, 64, 257, 32)])
+def test_rows_kernels_with_bf16_inputs_equal_float32_on_the_rounded_inputs(ops, shape):
+    x, idx, w, b, g = _problem(*shape, 0.3, torch.float32, seed=7)
+    xb = x.bfloat16()
+    out = ops.rows_forward(xb, idx, w, b)
+    assert out.dtype == torch.float32
+    torch.testing.assert_close(out, reference.forward(xb.float(), idx, w, b), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(ops.rows_backward_weight(g, xb, idx), reference.backward_weight(g, xb.float(), idx),
+                               rtol=1e-5, atol=1e-5)
+
+
+def test_rows_kernels_check_their_inputs_as_the_op_does(ops):
+    x, idx, w, b, g = _problem(3, 10, 20, 4, 1.0, torch.float32, seed=1)
+    with pytest.raises(RuntimeError, match="int32"):
+        ops.rows_forward(x, idx.long(), w, b)
+    with pytest.raises(RuntimeError, match="out_features columns"):
+        ops.rows_backward_input(g[:, :5], idx, w, 10)
+    with pytest.raises(RuntimeError, match="batch size"):
+        ops.rows_backward_weight(g, x[:2], idx)
