@@ -3,7 +3,7 @@ print each kernel's registers, stack and spills: a CUDA change is checked before
 
     python scripts/cuda_compile_check.py [--arch 90] [--jobs 2]
 
-Objects are not linked or kept. A CPU build of torch ships the CUDA headers except one generated file
+The objects are not linked or kept; the project's own symbols one of them needs must be defined by another. A CPU build of torch ships the CUDA headers except one generated file
 (c10/cuda/impl/cuda_cmake_macros.h), which is written to a temporary folder here. Exit status 1 when a file fails.
 """
 from __future__ import annotations
@@ -22,10 +22,19 @@ import torch.utils.cpp_extension as cpp_extension
 from xmc_repro.sparse import build
 
 
-def nvcc_command(source: Path, arch: str, includes: list[str]) -> list[str]:
+def nvcc_command(source: Path, obj: Path, arch: str, includes: list[str]) -> list[str]:
     flags = ["-std=c++20", "-O3", "--expt-relaxed-constexpr", "--resource-usage", "-D_GLIBCXX_USE_CXX11_ABI=1",
              f"-gencode=arch=compute_{arch},code=sm_{arch}"]
-    return ["nvcc", "-c", str(source), "-o", "/dev/null", *flags, *(f"-I{p}" for p in includes)]
+    return ["nvcc", "-c", str(source), "-o", str(obj), *flags, *(f"-I{p}" for p in includes)]
+
+
+def unresolved(objects: list[Path]) -> set[str]:
+    """The project's symbols (xmc_sparse::, xmc_bench::) that an object uses and no object defines."""
+    def symbols(option: str) -> set[str]:
+        out = subprocess.run(["nm", "-C", option, *map(str, objects)], capture_output=True, text=True).stdout
+        return {m.group(1) for line in out.splitlines()
+                if (m := re.match(r"^\s*(?:[0-9a-f]+\s+)?[A-Za-z]\s+(xmc_(?:sparse|bench)::.*)$", line))}
+    return symbols("--undefined-only") - symbols("--defined-only")
 
 
 def kernel_usage(ptxas_output: str) -> list[str]:
@@ -68,10 +77,14 @@ def main(argv: list[str] | None = None) -> int:
             (Path(stub) / "c10/cuda/impl/cuda_cmake_macros.h").write_text("#pragma once\n")
             includes = [stub, *includes]
         sources = [src / name for name in build.SOURCES_CUDA]
+        objects = [Path(stub) / f"{s.stem}.o" for s in sources]
         with ThreadPoolExecutor(args.jobs) as pool:
-            results = list(pool.map(lambda s: subprocess.run(nvcc_command(s, args.arch, includes), capture_output=True,
-                                                             text=True), sources))
-    failed = 0
+            results = list(pool.map(lambda so: subprocess.run(nvcc_command(*so, args.arch, includes),
+                                                              capture_output=True, text=True), zip(sources, objects)))
+        missing = unresolved([o for o in objects if o.exists()]) if shutil.which("nm") else set()
+    failed = len(missing)
+    for symbol in sorted(missing):
+        print(f"used but defined by no CUDA source: {symbol}")
     for source, result in zip(sources, results):
         if result.returncode:
             failed += 1

@@ -7,14 +7,16 @@
 #    eager (trainer.cuda_graph=false), each with what was allocated at its peak (trainer.memory_report),
 # 4. the whole-model step, dense beside uniform (eager, CUDA graph, Lightning; 32-true and bf16-mixed), Amazon-670K
 #    shapes, and a profile of the uniform step each way (the device's idle time per step and what the host did
-#    meanwhile, the top kernels, a Chrome trace),
+#    meanwhile, the top kernels, a Chrome trace); then at 32-true with the warp-per-label kernels
+#    (XMC_SPARSE_KERNELS=rows, results in results/bench/rows-kernels/),
 # 5. the layer benchmark at the headline shape (670,091 labels, 16,384 inputs, 32, batch 32), float32 and bf16
 #    inputs, the op's kernels beside the warp-per-label candidates (uniform-rows), with the L2 read bandwidth of
 #    the probe kernel,
 # 6. one full epoch of the pipeline at Amazon-670K's shape (uniform, 32k intermediate layer, graph step), at each
 #    of EPOCH_PRECISIONS (default "32-true bf16-mixed"), with a profile of 20 of its steps (trainer.profile_steps:
-#    where the real loop leaves the GPU idle); then the dense model's epoch at 32-true (the epoch's dense/uniform
-#    ratio; about 2.5 minutes),
+#    where the real loop leaves the GPU idle), after the 32-true one the same with the warp-per-label kernels
+#    (epoch-rows-32-true); then the dense model's epoch at 32-true (the epoch's dense/uniform ratio; about 2.5
+#    minutes),
 # 7. with BIBTEX=1: Bibtex through the pipeline, seed 0, float32 and bf16-mixed (P@k against the CPU runs; measured
 #    on an H200 at 17de686, README), if its files are carried
 #    in .gpu_data/Bibtex (XMC_SHARED_DATA): mkdir -p .gpu_data/Bibtex && cp ../shared/data/Bibtex/*_xc.txt
@@ -68,16 +70,21 @@ for graph in true false; do  # their own MLflow store: diagnostics, not records 
     trainer.cuda_graph=$graph trainer.memory_report=true
 done
 step model 240 python3 -m xmc_repro.bench --model --device cuda --out results/bench --steps 50 --profile 10
+step model-rows 120 env XMC_SPARSE_KERNELS=rows python3 -m xmc_repro.bench --model --device cuda \
+  --out results/bench/rows-kernels --steps 50 --precision 32-true
 step layer 100 python3 -m xmc_repro.bench --device cuda --out results/bench --max-cases ${LAYER_CASES:-2} \
   --methods uniform,uniform-bf16,uniform-rows,uniform-rows-bf16,csr,dense
 epoch() {  # epoch NAME MODEL PRECISION SECONDS [overrides...]: one epoch of the pipeline at Amazon-670K's shape
-  local name=$1 model=$2 precision=$3 secs=$4; shift 4
-  step "$name" "$secs" python3 -m xmc_repro dataset=synthetic_amazon670k dataset.num_train=${EPOCH_POINTS:-490449} \
+  local name=$1 model=$2 precision=$3 secs=$4; shift 4  # KERNELS=rows epoch ...: the warp-per-label kernels
+  step "$name" "$secs" env XMC_SPARSE_KERNELS=${KERNELS:-threads} python3 -m xmc_repro dataset=synthetic_amazon670k \
+    dataset.num_train=${EPOCH_POINTS:-490449} \
     dataset.num_test=10000 trainer.max_epochs=1 trainer.precision=$precision trainer.progress_bar=false \
     trainer.train_eval_max_points=10000 table=gpu_check model=$model "$@"
 }
 for precision in ${EPOCH_PRECISIONS:-32-true bf16-mixed}; do
   epoch "epoch-$precision" uniform "$precision" 170 model.intermediate=32768 trainer.profile_steps=20
+  [ "$precision" = 32-true ] && KERNELS=rows epoch epoch-rows-32-true uniform 32-true 170 model.intermediate=32768 \
+    trainer.profile_steps=20
 done
 epoch epoch-dense-32-true dense 32-true 240
 for d in checkpoints/*/; do  # the epochs' step profiles, named by run
@@ -98,9 +105,9 @@ echo
 echo "================ summary ================"
 printf '%s\n' "${status[@]}"
 grep -E "passed|failed|error" "$LOGS/tests.log" | tail -3
-sed -n '/^| model /,$p' "$LOGS/model.log"
+sed -n '/^| model /,$p' "$LOGS/model.log" "$LOGS/model-rows.log" 2>/dev/null
 cat results/bench/*-model-profile.txt 2>/dev/null | grep -E "^==|^device span|^host during|^  +[0-9.]+  |^blocking"
 grep -E "peak GPU|^allocated at|MiB .* blocks" "$LOGS"/memory-graph-*.log
-for p in 32-true bf16-mixed dense-32-true; do [ -f "$LOGS/epoch-$p.log" ] && grep -E "^epoch |peak GPU|MLflow run|^profile of|^device span|^host during|^  +[0-9.]+  |^blocking" "$LOGS/epoch-$p.log" | tail -20; done
+for p in 32-true rows-32-true bf16-mixed dense-32-true; do [ -f "$LOGS/epoch-$p.log" ] && grep -E "^epoch |peak GPU|MLflow run|^profile of|^device span|^host during|^  +[0-9.]+  |^blocking" "$LOGS/epoch-$p.log" | tail -20; done
 sed -n '/^case /,$p' "$LOGS/layer.log"
 for p in 32-true bf16-mixed; do [ -f "$LOGS/bibtex-$p.log" ] && grep -E "test|seconds per epoch" "$LOGS/bibtex-$p.log" | tail -3; done

@@ -72,7 +72,7 @@ def test_benchmark_uses_only_public_names_of_the_sparse_package():
 def test_l2_read_probe_reads_every_value_and_reports_a_bandwidth_above_dram_copy():
     from xmc_repro.sparse import op
 
-    if op.backend("cuda") != "compiled-cuda":
+    if not op.backend("cuda").startswith("compiled-cuda"):
         pytest.skip("no compiled CUDA kernels")
     values = torch.rand(4 * 1000, device="cuda")  # not a multiple of the blocks: each block still reads it all
     out = torch.ops.xmc_bench.l2_read(values, 3)
@@ -88,7 +88,7 @@ def test_l2_read_probe_reads_every_value_and_reports_a_bandwidth_above_dram_copy
 def test_the_candidate_kernels_are_benchmarked_beside_the_op_and_compute_what_it_computes():
     from xmc_repro.sparse import op
 
-    if op.backend("cuda") != "compiled-cuda":
+    if not op.backend("cuda").startswith("compiled-cuda"):
         pytest.skip("no compiled CUDA kernels")
     device = torch.device("cuda")
     case = bench.Case(300, 64, 5, 7, "bce", ("uniform",))

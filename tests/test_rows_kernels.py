@@ -5,6 +5,10 @@ sources, all-zero and dense gradients, float32, float64 and bf16 inputs."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 from conftest import generator
@@ -22,7 +26,7 @@ SHAPES = [(1, 1, 1, 1), (3, 40, 40, 37), (5, 300, 1001, 7), (17, 64, 33, 32), (3
 @pytest.fixture(scope="module")
 def ops():
     ensure_registered()
-    if backend("cuda") != "compiled-cuda":
+    if not backend("cuda").startswith("compiled-cuda"):
         pytest.skip("the candidate kernels need the compiled CUDA kernels")
     return torch.ops.xmc_bench
 
@@ -77,3 +81,25 @@ def test_rows_kernels_check_their_inputs_as_the_op_does(ops):
         ops.rows_backward_input(g[:, :5], idx, w, 10)
     with pytest.raises(RuntimeError, match="batch size"):
         ops.rows_backward_weight(g, x[:2], idx)
+
+
+def test_the_op_runs_the_candidates_when_asked(ops):
+    """XMC_SPARSE_KERNELS=rows: the op's CUDA kernels hand over to the candidates (a fresh process: the switch
+    is set when the op registers), through autograd as in training, and the backend says so."""
+    script = """
+import torch
+from xmc_repro.sparse import backend, reference, uniform_sparse_linear
+assert backend("cuda") == "compiled-cuda-rows", backend("cuda")
+g = torch.Generator().manual_seed(3)
+x = torch.randn(33, 70, generator=g).cuda().requires_grad_()
+idx = torch.randint(70, (33, 95), generator=g, dtype=torch.int32).cuda()
+w = torch.randn(33, 95, generator=g).cuda().requires_grad_()
+grad = torch.randn(33, 95, generator=g).cuda()
+uniform_sparse_linear(x, idx, w).backward(grad)
+torch.testing.assert_close(x.grad, reference.backward_input(grad, idx, w.detach(), 70))
+torch.testing.assert_close(w.grad, reference.backward_weight(grad, x.detach(), idx))
+print("ok")
+"""
+    env = {**os.environ, "XMC_SPARSE_KERNELS": "rows"}
+    proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr[-3000:]

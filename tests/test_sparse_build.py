@@ -35,10 +35,11 @@ def test_no_compiler_falls_back_to_reference_with_one_warning(tmp_path):
     assert err.count("compiled kernels unavailable") == 1
 
 
-def test_unknown_backend_setting_is_rejected(tmp_path):
-    full = dict(os.environ, XMC_SPARSE_BACKEND="fast")
+@pytest.mark.parametrize("variable", ["XMC_SPARSE_BACKEND", "XMC_SPARSE_KERNELS"])
+def test_unknown_backend_setting_is_rejected(tmp_path, variable):
+    full = dict(os.environ, **{variable: "fast"})
     proc = subprocess.run([sys.executable, "-c", PROBE], env=full, capture_output=True, text=True, timeout=120)
-    assert proc.returncode != 0 and "XMC_SPARSE_BACKEND='fast'" in proc.stderr
+    assert proc.returncode != 0 and f"{variable}='fast'" in proc.stderr
 
 
 @pytest.mark.slow

@@ -142,7 +142,7 @@ def l2_bandwidth(device) -> float | None:
     """Read bandwidth (bytes/s) of data that stays in L2, by the purpose-built kernel ``xmc_bench::l2_read``
     (cuda_ext/cuda/l2_read_probe.cu: every block reads one 8 MiB buffer through L2, bypassing L1, in one long
     launch). None on a CPU or without the compiled CUDA kernels. A buffer of ones checks that every load ran."""
-    if device.type != "cuda" or sparse_op.ensure_registered().get("cuda") != "compiled-cuda":
+    if device.type != "cuda" or not sparse_op.backend("cuda").startswith("compiled-cuda"):
         return None
     probe = torch.ops.xmc_bench.l2_read
     ones = torch.ones(L2_PROBE_BYTES // 4, device=device)

@@ -1,11 +1,12 @@
 // What the CUDA kernels of the uniform sparse op (uniform_sparse_cuda.cu) and their warp-per-label
-// candidates (uniform_sparse_rows_cuda.cu) share: the bf16 input type, the transposed inputs and the
-// dtype dispatch.
+// candidates (uniform_sparse_rows_cuda.cu) share: the bf16 input type, the transposed inputs, the
+// dtype dispatch, and the switch that makes the op run the candidates.
 #pragma once
 #include <ATen/Dispatch.h>
 #include <ATen/core/Tensor.h>
 
 #include <cstdint>
+#include <optional>
 #include <type_traits>
 
 namespace xmc_sparse {
@@ -40,5 +41,14 @@ template <typename TX>
 const TX* data_as(const at::Tensor& t) {
   return reinterpret_cast<const TX*>(t.const_data_ptr());
 }
+
+// The warp-per-label kernels, and whether the op's CUDA kernels hand over to them (set by
+// xmc_bench::use_rows_kernels, which xmc_repro/sparse/op.py calls for XMC_SPARSE_KERNELS=rows).
+bool rows_kernels();
+at::Tensor rows_forward_cuda(const at::Tensor& x, const at::Tensor& indices, const at::Tensor& weight,
+                             const std::optional<at::Tensor>& bias);
+at::Tensor rows_backward_input_cuda(const at::Tensor& grad_out, const at::Tensor& indices, const at::Tensor& weight,
+                                    int64_t in_features);
+at::Tensor rows_backward_weight_cuda(const at::Tensor& grad_out, const at::Tensor& x, const at::Tensor& indices);
 
 }  // namespace xmc_sparse

@@ -192,6 +192,7 @@ unsigned blocks_for(int64_t labels) { return static_cast<unsigned>((labels + kTh
 
 at::Tensor forward_cuda(const at::Tensor& x, const at::Tensor& indices, const at::Tensor& weight,
                         const std::optional<at::Tensor>& bias) {
+  if (rows_kernels()) return rows_forward_cuda(x, indices, weight, bias);
   check_forward(x, indices, weight, bias);
   const c10::cuda::CUDAGuard guard(x.device());
   const int64_t batch = x.size(0), conn = indices.size(0), labels = indices.size(1);
@@ -217,6 +218,7 @@ at::Tensor forward_cuda(const at::Tensor& x, const at::Tensor& indices, const at
 
 at::Tensor backward_input_cuda(const at::Tensor& grad_out, const at::Tensor& indices, const at::Tensor& weight,
                                int64_t in_features) {
+  if (rows_kernels()) return rows_backward_input_cuda(grad_out, indices, weight, in_features);
   check_backward_input(grad_out, indices, weight);
   const c10::cuda::CUDAGuard guard(grad_out.device());
   const int64_t batch = grad_out.size(0), conn = indices.size(0), labels = indices.size(1);
@@ -237,6 +239,7 @@ at::Tensor backward_input_cuda(const at::Tensor& grad_out, const at::Tensor& ind
 }
 
 at::Tensor backward_weight_cuda(const at::Tensor& grad_out, const at::Tensor& x, const at::Tensor& indices) {
+  if (rows_kernels()) return rows_backward_weight_cuda(grad_out, x, indices);
   check_backward_weight(grad_out, x, indices);
   const c10::cuda::CUDAGuard guard(grad_out.device());
   const int64_t batch = grad_out.size(0), conn = indices.size(0), labels = indices.size(1);

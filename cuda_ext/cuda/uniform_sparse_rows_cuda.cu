@@ -1,7 +1,8 @@
 // Warp-per-label kernels of the uniform sparse op: candidates, measured against the op's own
 // thread-per-label kernels (uniform_sparse_cuda.cu) by xmc_repro.bench (methods `uniform-rows` and
-// `uniform-rows-bf16`), not used by the op. Registered as xmc_bench::rows_forward / rows_backward_input /
-// rows_backward_weight, with the schemas of xmc_sparse::forward / backward_input / backward_weight.
+// `uniform-rows-bf16`). Registered as xmc_bench::rows_forward / rows_backward_input / rows_backward_weight,
+// with the schemas of xmc_sparse::forward / backward_input / backward_weight; the op runs them instead of its
+// own after xmc_bench::use_rows_kernels(true) (XMC_SPARSE_KERNELS=rows), to measure them in training.
 //
 // Why: in the op's kernels a thread takes a label, and every connection reads (or atomically adds)
 // the 32 batch values of one input row with eight 16-byte accesses, so one warp instruction touches
@@ -14,6 +15,7 @@
 #include <c10/cuda/CUDAStream.h>
 #include <torch/library.h>
 
+#include <atomic>
 #include <string>
 
 #include "../checks.h"
@@ -185,6 +187,12 @@ __global__ void __launch_bounds__(kWarp* kWarps) backward_weight_rows_kernel(
 int64_t row_pad(int64_t batch) { return (batch + 7) / 8 * 8; }
 unsigned tiles(int64_t labels) { return static_cast<unsigned>((labels + kTile - 1) / kTile); }
 
+std::atomic<bool> use_rows{false};
+
+}  // namespace
+
+bool rows_kernels() { return use_rows.load(std::memory_order_relaxed); }
+
 at::Tensor rows_forward_cuda(const at::Tensor& x, const at::Tensor& indices, const at::Tensor& weight,
                              const std::optional<at::Tensor>& bias) {
   check_forward(x, indices, weight, bias);
@@ -241,12 +249,12 @@ at::Tensor rows_backward_weight_cuda(const at::Tensor& grad_out, const at::Tenso
   return grad_w;
 }
 
-}  // namespace
 }  // namespace xmc_sparse
 
 TORCH_LIBRARY_FRAGMENT(xmc_bench, m) {  // the op's own schemas (schema.h), names prefixed with "rows_"
   for (const std::string schema : xmc_sparse::kSchemas)
     if (schema.rfind("squared_hinge", 0) != 0) m.def(("rows_" + schema).c_str());
+  m.def("use_rows_kernels(bool enable) -> ()", [](bool enable) { xmc_sparse::use_rows.store(enable); });
 }
 
 TORCH_LIBRARY_IMPL(xmc_bench, CUDA, m) {

@@ -136,6 +136,11 @@ def _register() -> dict[str, str]:
     mode = os.environ.get("XMC_SPARSE_BACKEND", "auto").strip().lower() or "auto"
     if mode not in ("auto", "reference", "compiled"):
         raise SparseInputError(f"XMC_SPARSE_BACKEND={mode!r} must be one of auto, reference, compiled")
+    # Which CUDA kernels the op runs: its own (a thread per label) or the warp-per-label candidates
+    # (cuda_ext/cuda/uniform_sparse_rows_cuda.cu), to measure those in training.
+    kernels = os.environ.get("XMC_SPARSE_KERNELS", "threads").strip().lower() or "threads"
+    if kernels not in ("threads", "rows"):
+        raise SparseInputError(f"XMC_SPARSE_KERNELS={kernels!r} must be threads or rows")
     compiled: set[str] = set()
     if mode != "reference":
         compiled, errors = build.load_compiled()
@@ -155,6 +160,9 @@ def _register() -> dict[str, str]:
     for device, key in _DISPATCH_KEYS.items():
         if device in compiled:
             backends[device] = f"compiled-{device}"
+            if device == "cuda" and kernels == "rows":
+                torch.ops.xmc_bench.use_rows_kernels(True)
+                backends[device] += "-rows"
             continue
         for name, fn in _REFERENCE_KERNELS.items():
             lib.impl(name, fn, key)
@@ -166,7 +174,7 @@ def _register() -> dict[str, str]:
         # Under autocast (bf16-mixed training) the activations (and a dense head's scores) arrive in
         # bf16/fp16; the kernels compute in float32, like the float32 weights of mixed precision.
         for device in _DISPATCH_KEYS:
-            if name in _BF16_INPUT_OPS and backends[device] == "compiled-cuda":
+            if name in _BF16_INPUT_OPS and backends[device].startswith("compiled-cuda"):
                 continue  # these kernels take bf16 inputs as they come (uniform_sparse_linear casts the rest)
             torch.library.register_autocast(f"{NAMESPACE}::{name}", device, torch.float32, lib=lib)
     torch.library.register_autograd(f"{NAMESPACE}::forward", _backward, setup_context=_setup_context, lib=lib)
@@ -185,7 +193,8 @@ def ensure_registered() -> dict[str, str]:
 
 def backend(device: str | torch.device | None = None) -> str:
     """Which implementation runs on ``device`` (default: cuda if available, else cpu):
-    ``"compiled-cuda"``, ``"compiled-cpu"`` or ``"reference"``."""
+    ``"compiled-cuda"`` (``"compiled-cuda-rows"`` with ``XMC_SPARSE_KERNELS=rows``), ``"compiled-cpu"`` or
+    ``"reference"``."""
     if device is None:
         device = "cuda" if torch.cuda.is_available() else "cpu"
     return ensure_registered().get(torch.device(device).type, "reference")
@@ -207,7 +216,8 @@ def uniform_sparse_linear(x: torch.Tensor, indices: torch.Tensor, weight: torch.
     if x.dtype != weight.dtype and x.is_floating_point() and torch.is_autocast_enabled(x.device.type):
         # Compiled CUDA kernels gather bf16 inputs as they are (half the bytes, float32 sums); elsewhere they
         # are cast, differentiably: x's gradient comes back in its own dtype.
-        if not (x.dtype == torch.bfloat16 and weight.dtype == torch.float32 and backend(x.device) == "compiled-cuda"):
+        gathers_bf16 = backend(x.device).startswith("compiled-cuda")
+        if not (x.dtype == torch.bfloat16 and weight.dtype == torch.float32 and gathers_bf16):
             x = x.to(weight.dtype)
     check_op_inputs(x, indices, weight, bias, check_indices)
     ensure_registered()
