@@ -17,8 +17,8 @@
 #    where the real loop leaves the GPU idle), after the 32-true one the same with the warp-per-label kernels
 #    (epoch-rows-32-true); then the dense model's epoch at 32-true (the epoch's dense/uniform ratio; about 2.5
 #    minutes),
-# 7. with BIBTEX=1: Bibtex through the pipeline, seed 0, float32 and bf16-mixed (P@k against the CPU runs; measured
-#    on an H200 at 17de686, README), if its files are carried
+# 7. with BIBTEX=1: Bibtex through the pipeline, seed 0, float32, bf16-mixed and float32 with the warp-per-label
+#    kernels (P@k against the CPU runs; measured on an H200 at 17de686, README), if its files are carried
 #    in .gpu_data/Bibtex (XMC_SHARED_DATA): mkdir -p .gpu_data/Bibtex && cp ../shared/data/Bibtex/*_xc.txt
 #    .gpu_data/Bibtex/ (.gpu_data and .whl listed in .git/info/exclude, both named in the call's carry).
 # SKIP="model epoch-bf16-mixed ..." skips steps by name. The deadline skips what does not fit.
@@ -93,9 +93,13 @@ for d in checkpoints/*/; do  # the epochs' step profiles, named by run
   [ -f "$d/memory-peak.txt" ] && cp "$d/memory-peak.txt" "$LOGS/memory-peak-$run.txt"
 done
 if [ -n "${XMC_SHARED_DATA:-}" ] && [ "${BIBTEX:-0}" = 1 ]; then
-  for precision in 32-true bf16-mixed; do
-    step "bibtex-$precision" 60 python3 -m xmc_repro dataset=bibtex model=uniform model.intermediate=1024 seed=0 \
-      trainer.progress_bar=false trainer.precision=$precision table=gpu_check
+  for run in threads:32-true threads:bf16-mixed rows:32-true; do  # kernels:precision
+    kernels=${run%%:*} precision=${run#*:}
+    name=bibtex-$precision
+    [ "$kernels" = rows ] && name=bibtex-rows-$precision
+    step "$name" 60 env XMC_SPARSE_KERNELS=$kernels python3 -m xmc_repro \
+      dataset=bibtex model=uniform model.intermediate=1024 seed=0 trainer.progress_bar=false \
+      trainer.precision=$precision table=gpu_check
   done
 fi
 cp -r results/bench "$LOGS/" 2>/dev/null
@@ -110,4 +114,4 @@ cat results/bench/*-model-profile.txt 2>/dev/null | grep -E "^==|^device span|^h
 grep -E "peak GPU|^allocated at|MiB .* blocks" "$LOGS"/memory-graph-*.log
 for p in 32-true rows-32-true bf16-mixed dense-32-true; do [ -f "$LOGS/epoch-$p.log" ] && grep -E "^epoch |peak GPU|MLflow run|^profile of|^device span|^host during|^  +[0-9.]+  |^blocking" "$LOGS/epoch-$p.log" | tail -20; done
 sed -n '/^case /,$p' "$LOGS/layer.log"
-for p in 32-true bf16-mixed; do [ -f "$LOGS/bibtex-$p.log" ] && grep -E "test|seconds per epoch" "$LOGS/bibtex-$p.log" | tail -3; done
+for p in 32-true bf16-mixed rows-32-true; do [ -f "$LOGS/bibtex-$p.log" ] && grep -E "test|seconds per epoch" "$LOGS/bibtex-$p.log" | tail -3; done
