@@ -3,8 +3,9 @@ print each kernel's registers, stack and spills: a CUDA change is checked before
 
     python scripts/cuda_compile_check.py [--arch 90] [--jobs 2]
 
-The objects are not linked or kept; the project's own symbols one of them needs must be defined by another. A CPU build of torch ships the CUDA headers except one generated file
-(c10/cuda/impl/cuda_cmake_macros.h), which is written to a temporary folder here. Exit status 1 when a file fails.
+The objects are not linked or kept, but the project's symbols one of them uses must be defined by another. A CPU
+build of torch ships the CUDA headers except one generated file (c10/cuda/impl/cuda_cmake_macros.h), which is
+written to a temporary folder here. Exit status 1 when a file fails or a symbol is missing.
 """
 from __future__ import annotations
 
@@ -23,7 +24,9 @@ from xmc_repro.sparse import build
 
 
 def nvcc_command(source: Path, obj: Path, arch: str, includes: list[str]) -> list[str]:
-    flags = ["-std=c++20", "-O3", "--expt-relaxed-constexpr", "--resource-usage", "-D_GLIBCXX_USE_CXX11_ABI=1",
+    # C++17, the older of the standards torch builds extensions with (this torch: C++20): what compiles here
+    # compiles under either
+    flags = ["-std=c++17", "-O3", "--expt-relaxed-constexpr", "--resource-usage", "-D_GLIBCXX_USE_CXX11_ABI=1",
              f"-gencode=arch=compute_{arch},code=sm_{arch}"]
     return ["nvcc", "-c", str(source), "-o", str(obj), *flags, *(f"-I{p}" for p in includes)]
 
@@ -69,15 +72,15 @@ def main(argv: list[str] | None = None) -> int:
         print("nvcc is not on PATH: install the CUDA toolkit (or run on the GPU machine)", file=sys.stderr)
         return 1
     src = build.source_dir()
-    with tempfile.TemporaryDirectory() as stub:
+    with tempfile.TemporaryDirectory() as work:
         includes = cpp_extension.include_paths()
         macros = Path(includes[0], "c10/cuda/impl/cuda_cmake_macros.h")
         if not macros.exists():
-            (Path(stub) / "c10/cuda/impl").mkdir(parents=True)
-            (Path(stub) / "c10/cuda/impl/cuda_cmake_macros.h").write_text("#pragma once\n")
-            includes = [stub, *includes]
+            (Path(work) / "c10/cuda/impl").mkdir(parents=True)
+            (Path(work) / "c10/cuda/impl/cuda_cmake_macros.h").write_text("#pragma once\n")
+            includes = [work, *includes]
         sources = [src / name for name in build.SOURCES_CUDA]
-        objects = [Path(stub) / f"{s.stem}.o" for s in sources]
+        objects = [Path(work) / f"{s.stem}.o" for s in sources]
         with ThreadPoolExecutor(args.jobs) as pool:
             results = list(pool.map(lambda so: subprocess.run(nvcc_command(*so, args.arch, includes),
                                                               capture_output=True, text=True), zip(sources, objects)))

@@ -207,12 +207,9 @@ def build_method(name: str, case: Case, p: dict, device) -> dict:
     wp, bp = torch.nn.Parameter(w.clone()), torch.nn.Parameter(b.clone())
     if name in ON_REQUEST:
         xin = x.bfloat16() if name.endswith("bf16") else x
-        if name == BF16:
-            fwd_op, bwd_in_op, bwd_w_op = (getattr(torch.ops.xmc_sparse, n) for n in
-                                           ("forward", "backward_input", "backward_weight"))
-        else:
-            fwd_op, bwd_in_op, bwd_w_op = (getattr(torch.ops.xmc_bench, n) for n in
-                                           ("rows_forward", "rows_backward_input", "rows_backward_weight"))
+        ops, prefix = (torch.ops.xmc_sparse, "") if name == BF16 else (torch.ops.xmc_bench, "rows_")
+        fwd_op, bwd_in_op, bwd_w_op = (getattr(ops, prefix + op) for op in
+                                       ("forward", "backward_input", "backward_weight"))
         fwd = lambda: fwd_op(xin, idx, w, b)  # noqa: E731
         bwd_in = lambda: bwd_in_op(g, idx, w, case.inputs)  # noqa: E731
         bwd_w = lambda: bwd_w_op(g, xin, idx)  # noqa: E731
