@@ -55,11 +55,11 @@ def kernel_usage(ptxas_output: str) -> list[str]:
 
 
 def demangle(symbol: str) -> str:
-    """``kernel<args>`` from a mangled kernel symbol (the symbol itself without c++filt)."""
+    """``[namespace::]kernel<args>`` from a mangled kernel symbol (the symbol itself without c++filt)."""
     if shutil.which("c++filt") is None:
         return symbol
     full = subprocess.run(["c++filt", symbol], capture_output=True, text=True).stdout.strip()
-    m = re.search(r"(\w+(?:<[^()]*>)?)\(", full)
+    m = re.search(r"((?:\w+::)*\w+(?:<[^()]*>)?)\(", full)
     return (m.group(1) if m else full).replace("xmc_sparse::", "")
 
 
