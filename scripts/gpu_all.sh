@@ -3,15 +3,15 @@
 #   bash scripts/gpu_all.sh
 # 1. builds the CPU+CUDA kernels (XMC_SPARSE_BACKEND=compiled: a failed CUDA build is an error here),
 # 2. runs every `cuda`-marked test,
-# 3. memory: 20,000 points of the pipeline at Amazon-670K's shape with a rewiring every 50 steps, graphed and
+# 3. the layer benchmark at the headline shape (670,091 labels, 16,384 inputs, 32, batch 32), float32 and bf16
+#    inputs, the op's kernels beside the warp-per-label candidates (uniform-rows), with the L2 read bandwidth of
+#    the probe kernel,
+# 4. memory: 20,000 points of the pipeline at Amazon-670K's shape with a rewiring every 50 steps, graphed and
 #    eager (trainer.cuda_graph=false), each with what was allocated at its peak (trainer.memory_report),
-# 4. the whole-model step, dense beside uniform (eager, CUDA graph, Lightning; 32-true and bf16-mixed), Amazon-670K
+# 5. the whole-model step, dense beside uniform (eager, CUDA graph, Lightning; 32-true and bf16-mixed), Amazon-670K
 #    shapes, and a profile of the uniform step each way (the device's idle time per step and what the host did
 #    meanwhile, the top kernels, a Chrome trace); then at 32-true with the warp-per-label kernels
 #    (XMC_SPARSE_KERNELS=rows, results in results/bench/rows-kernels/),
-# 5. the layer benchmark at the headline shape (670,091 labels, 16,384 inputs, 32, batch 32), float32 and bf16
-#    inputs, the op's kernels beside the warp-per-label candidates (uniform-rows), with the L2 read bandwidth of
-#    the probe kernel,
 # 6. one full epoch of the pipeline at Amazon-670K's shape (uniform, 32k intermediate layer, graph step), at each
 #    of EPOCH_PRECISIONS (default "32-true bf16-mixed"), with a profile of 20 of its steps (trainer.profile_steps:
 #    where the real loop leaves the GPU idle), after the 32-true one the same with the warp-per-label kernels
@@ -63,6 +63,8 @@ import time; t = time.time()
 from xmc_repro.sparse import build, op
 print(op.ensure_registered(), 'archs', build.cuda_archs(), f'first load (compile) {time.time() - t:.0f} s')"
 step tests 130 python3 -m pytest -m cuda ${TESTS:-tests} -q -p no:cacheprovider
+step layer 100 python3 -m xmc_repro.bench --device cuda --out results/bench --max-cases ${LAYER_CASES:-2} \
+  --methods uniform,uniform-bf16,uniform-rows,uniform-rows-bf16,csr,dense
 for graph in true false; do  # their own MLflow store: diagnostics, not records (recording slows every allocation)
   step "memory-graph-$graph" 90 env MLFLOW_TRACKING_URI="sqlite:///$LOGS/memory_runs.db" python3 -m xmc_repro \
     dataset=synthetic_amazon670k dataset.num_train=20000 dataset.num_test=10000 dataset.rewire_every_n_steps=50 trainer.max_epochs=1 trainer.progress_bar=false \
@@ -72,8 +74,6 @@ done
 step model 240 python3 -m xmc_repro.bench --model --device cuda --out results/bench --steps 50 --profile 10
 step model-rows 120 env XMC_SPARSE_KERNELS=rows python3 -m xmc_repro.bench --model --device cuda \
   --out results/bench/rows-kernels --steps 50 --precision 32-true
-step layer 100 python3 -m xmc_repro.bench --device cuda --out results/bench --max-cases ${LAYER_CASES:-2} \
-  --methods uniform,uniform-bf16,uniform-rows,uniform-rows-bf16,csr,dense
 epoch() {  # epoch NAME MODEL PRECISION SECONDS [overrides...]: one epoch of the pipeline at Amazon-670K's shape
   local name=$1 model=$2 precision=$3 secs=$4; shift 4  # KERNELS=rows epoch ...: the warp-per-label kernels
   step "$name" "$secs" env XMC_SPARSE_KERNELS=${KERNELS:-threads} python3 -m xmc_repro dataset=synthetic_amazon670k \
