@@ -29,6 +29,17 @@ struct SimtIndex {
 };
 inline thread_local SimtIndex threadIdx, blockIdx;
 
+// CUDA's vector types the kernels load through (each alignas its size, as in CUDA).
+struct alignas(16) float4 {
+  float x, y, z, w;
+};
+struct alignas(16) double2 {
+  double x, y;
+};
+struct alignas(8) uint2 {
+  unsigned x, y;
+};
+
 namespace simt {
 
 constexpr int kWarp = 32;

@@ -1,8 +1,8 @@
-"""The warp-per-label CUDA kernels' own source, run on the CPU (tests/cuda_on_cpu: one std::thread per CUDA
-thread, barriers for __syncthreads and the warp intrinsics; address and undefined-behaviour sanitizers on),
-against the pure-torch reference: their tiling, lane indexing, batch and connection chunks, shared-memory
-staging, skips and transposing reduction are checked on every machine, not only where a GPU is. Small shapes:
-every shuffle is a barrier of 32 threads."""
+"""The uniform sparse op's CUDA kernels, their own source, run on the CPU (tests/cuda_on_cpu: one std::thread per
+CUDA thread, barriers for __syncthreads and the warp intrinsics; address and undefined-behaviour sanitizers on),
+against the pure-torch reference: the op's thread-per-label kernels and the warp-per-label candidates, so their
+indexing, batch and connection chunks, zero-gradient skips, shared-memory staging and reductions are checked on
+every machine, not only where a GPU is. Small shapes: every shuffle is a barrier of 32 threads."""
 
 from __future__ import annotations
 
@@ -26,23 +26,24 @@ def emulated(tmp_path_factory):
     compiler = shutil.which("c++") or shutil.which("g++")
     if compiler is None or not HERE.exists():
         pytest.skip("no C++ compiler, or no tests/cuda_on_cpu in this checkout")
-    binary = tmp_path_factory.mktemp("simt") / "rows_kernels"
+    binary = tmp_path_factory.mktemp("simt") / "kernels"
     includes = [HERE, build.source_dir() / "cuda", *include_paths()]
     # Address and undefined-behaviour sanitizers: a read or write outside an array fails the run, even where
     # the value read would be discarded
     built = subprocess.run([compiler, "-std=c++20", "-O1", "-pthread", "-fsanitize=address,undefined",
-                            *(f"-I{p}" for p in includes), str(HERE / "rows_kernels.cpp"), "-o", str(binary)],
+                            *(f"-I{p}" for p in includes), str(HERE / "kernels.cpp"), "-o", str(binary)],
                            capture_output=True, text=True)
     assert built.returncode == 0, built.stderr[-3000:]
 
-    def run(x, idx, w, b, g, tmp_path):
+    def run(family, x, idx, w, b, g, tmp_path):
         batch, inputs = x.shape
         conn, labels = idx.shape
         header = np.array([X_KINDS[x.dtype], batch, inputs, labels, conn, b is not None], dtype=np.int64)
         raw_x = x.view(torch.int16) if x.dtype == torch.bfloat16 else x
         parts = [header, raw_x.numpy(), idx.numpy(), w.numpy(), *([b.numpy()] if b is not None else []), g.numpy()]
         (tmp_path / "problem").write_bytes(b"".join(p.tobytes() for p in parts))
-        subprocess.run([str(binary), str(tmp_path / "problem"), str(tmp_path / "result")], check=True, timeout=180)
+        subprocess.run([str(binary), family, str(tmp_path / "problem"), str(tmp_path / "result")], check=True,
+                       timeout=180)
         values = torch.from_numpy(np.fromfile(tmp_path / "result", dtype=torch.empty(0, dtype=w.dtype).numpy().dtype))
         scores, grad_x, grad_w = values.split([batch * labels, batch * inputs, conn * labels])
         return scores.view(batch, labels), grad_x.view(batch, inputs), grad_w.view(conn, labels)
@@ -69,17 +70,19 @@ def _problem(batch, inputs, labels, connectivity, density, dtype, seed):
     ((17, 64, 33, 32), 0.0, torch.float32),
     ((5, 9, 70, 3), 0.3, torch.float64),
 ], ids=lambda v: "x".join(map(str, v)) if isinstance(v, tuple) else str(v))
-def test_rows_kernels_source_matches_the_reference(emulated, tmp_path, shape, density, dtype):
+@pytest.mark.parametrize("family", ["threads", "rows"])
+def test_kernel_source_matches_the_reference(emulated, tmp_path, family, shape, density, dtype):
     x, idx, w, b, g = _problem(*shape, density, dtype, seed=sum(shape))
-    scores, grad_x, grad_w = emulated(x, idx, w, b, g, tmp_path)
+    scores, grad_x, grad_w = emulated(family, x, idx, w, b, g, tmp_path)
     torch.testing.assert_close(scores, reference.forward(x, idx, w, b))
     torch.testing.assert_close(grad_x, reference.backward_input(g, idx, w, shape[1]))
     torch.testing.assert_close(grad_w, reference.backward_weight(g, x, idx))
 
 
-def test_rows_kernels_source_gathers_bf16_inputs_as_their_float32_values(emulated, tmp_path):
+@pytest.mark.parametrize("family", ["threads", "rows"])
+def test_kernel_source_gathers_bf16_inputs_as_their_float32_values(emulated, tmp_path, family):
     x, idx, w, b, g = _problem(9, 50, 40, 6, 0.3, torch.float32, seed=5)
     xb = x.bfloat16()
-    scores, _, grad_w = emulated(xb, idx, w, None, g, tmp_path)
+    scores, _, grad_w = emulated(family, xb, idx, w, None, g, tmp_path)
     torch.testing.assert_close(scores, reference.forward(xb.float(), idx, w), rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(grad_w, reference.backward_weight(g, xb.float(), idx), rtol=1e-5, atol=1e-5)

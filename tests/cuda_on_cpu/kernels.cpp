@@ -1,0 +1,140 @@
+// The uniform sparse op's CUDA kernels, run on a CPU through simt.h: the op's own (thread per label,
+// cuda_ext/cuda/uniform_sparse_kernels.cuh) or the warp-per-label candidates (uniform_sparse_rows_kernels.cuh),
+// with the host steps of their launchers (transposed, padded inputs; the transposed input gradient).
+// tests/test_cuda_kernels_on_cpu.py writes a problem, runs this and compares with the reference.
+//
+//   kernels threads|rows PROBLEM RESULT
+// PROBLEM: int64 header {x kind (0 float32, 1 float64, 2 bf16 with float32 weights), batch, inputs, labels,
+// connectivity, has bias}, then x (batch, inputs), indices int32 (connectivity, labels), weight, bias if any,
+// grad_out (batch, labels), contiguous. RESULT: forward (batch, labels), grad_x (batch, inputs),
+// grad_w (connectivity, labels), in the weights' type.
+#include "simt.h"  // first: CUDA's keywords for the kernels
+
+#include <cstdio>
+#include <fstream>
+#include <iterator>
+#include <stdexcept>
+#include <string>
+
+#include "uniform_sparse_kernels.cuh"
+#include "uniform_sparse_rows_kernels.cuh"
+
+namespace {
+
+using namespace xmc_sparse;
+
+struct Reader {
+  std::vector<char> bytes;
+  size_t at = 0;
+  template <typename T>
+  std::vector<T> take(int64_t n) {
+    std::vector<T> out(n);
+    if (at + n * sizeof(T) > bytes.size()) throw std::runtime_error("problem file too short");
+    std::memcpy(out.data(), bytes.data() + at, n * sizeof(T));
+    at += n * sizeof(T);
+    return out;
+  }
+};
+
+template <typename T>
+void append(std::ofstream& out, const std::vector<T>& v) {
+  out.write(reinterpret_cast<const char*>(v.data()), static_cast<std::streamsize>(v.size() * sizeof(T)));
+}
+
+// One problem's arrays, the transposed inputs (xt, bpad columns) and the results.
+template <typename T, typename TX>
+struct Problem {
+  Problem(Reader& in, const int64_t* h, int64_t pad)
+      : batch(h[1]), inputs(h[2]), labels(h[3]), conn(h[4]), bpad(pad), x(in.take<TX>(batch * inputs)),
+        idx(in.take<int32_t>(conn * labels)), w(in.take<T>(conn * labels)), bias(in.take<T>(h[5] ? labels : 0)),
+        g(in.take<T>(batch * labels)), xt(inputs * bpad, TX{}), scores(batch * labels), gxt(inputs * bpad, T(0)),
+        grad_w(conn * labels) {
+    for (int64_t b = 0; b < batch; ++b)
+      for (int64_t i = 0; i < inputs; ++i) xt[i * bpad + b] = x[b * inputs + i];
+  }
+  const T* bias_or_null() const { return bias.empty() ? nullptr : bias.data(); }
+  void write(std::ofstream& out) const {
+    std::vector<T> grad_x(batch * inputs);
+    for (int64_t b = 0; b < batch; ++b)
+      for (int64_t i = 0; i < inputs; ++i) grad_x[b * inputs + i] = gxt[i * bpad + b];
+    append(out, scores);
+    append(out, grad_x);
+    append(out, grad_w);
+  }
+  int64_t batch, inputs, labels, conn, bpad;
+  std::vector<TX> x;
+  std::vector<int32_t> idx;
+  std::vector<T> w, bias, g;
+  std::vector<TX> xt;
+  std::vector<T> scores, gxt, grad_w;
+};
+
+template <typename T, typename TX>
+void run_threads(Reader& in, const int64_t* h, std::ofstream& out) {
+  const int v = threads::pick_v(h[1]);
+  Problem<T, TX> p(in, h, threads::padded(h[1], v));
+  const int B = p.batch, P = p.bpad, C = p.conn, L = p.labels;
+  threads::with_v(v, [&](auto vc) {
+    constexpr int V = decltype(vc)::value;
+    const unsigned grid = threads::blocks_for(p.labels);
+    simt::launch(grid, threads::kThreads, [&] {
+      threads::forward_kernel<T, TX, V>(p.xt.data(), p.idx.data(), p.w.data(), p.bias_or_null(), p.scores.data(), B,
+                                        P, C, L);
+    });
+    simt::launch(grid, threads::kThreads, [&] {
+      threads::backward_input_kernel<T, V>(p.g.data(), p.idx.data(), p.w.data(), p.gxt.data(), B, P, C, L);
+    });
+    simt::launch(grid, threads::kThreads, [&] {
+      threads::backward_weight_kernel<T, TX, V>(p.g.data(), p.xt.data(), p.idx.data(), p.grad_w.data(), B, P, C, L);
+    });
+  });
+  p.write(out);
+}
+
+template <typename T, typename TX>
+void run_rows(Reader& in, const int64_t* h, std::ofstream& out) {
+  Problem<T, TX> p(in, h, rows::row_pad(h[1]));
+  const int B = p.batch, P = p.bpad, C = p.conn, L = p.labels;
+  const unsigned grid = rows::tiles(p.labels);
+  simt::launch(grid, rows::kThreads, [&] {
+    rows::forward_kernel<T, TX>(p.xt.data(), p.idx.data(), p.w.data(), p.bias_or_null(), p.scores.data(), B, P, C, L);
+  });
+  simt::launch(grid, rows::kThreads, [&] {
+    rows::backward_input_kernel<T>(p.g.data(), p.idx.data(), p.w.data(), p.gxt.data(), B, P, C, L);
+  });
+  simt::launch(grid, rows::kThreads, [&] {
+    rows::backward_weight_kernel<T, TX>(p.g.data(), p.xt.data(), p.idx.data(), p.grad_w.data(), B, P, C, L);
+  });
+  p.write(out);
+}
+
+template <typename T, typename TX>
+void run(const std::string& family, Reader& in, const int64_t* h, std::ofstream& out) {
+  if (family == "rows") {
+    run_rows<T, TX>(in, h, out);
+  } else if (family == "threads") {
+    run_threads<T, TX>(in, h, out);
+  } else {
+    throw std::runtime_error("kernel family must be threads or rows, not " + family);
+  }
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  if (argc != 4) {
+    std::fprintf(stderr, "usage: %s threads|rows PROBLEM RESULT\n", argv[0]);
+    return 2;
+  }
+  std::ifstream file(argv[2], std::ios::binary);
+  Reader in{std::vector<char>(std::istreambuf_iterator<char>(file), {})};
+  const auto header = in.take<int64_t>(6);
+  std::ofstream out(argv[3], std::ios::binary);
+  switch (header[0]) {
+    case 0: run<float, float>(argv[1], in, header.data(), out); break;
+    case 1: run<double, double>(argv[1], in, header.data(), out); break;
+    case 2: run<float, Bf16>(argv[1], in, header.data(), out); break;
+    default: std::fprintf(stderr, "unknown x kind %lld\n", static_cast<long long>(header[0])); return 2;
+  }
+  return 0;
+}
