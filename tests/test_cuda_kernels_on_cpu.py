@@ -22,30 +22,39 @@ X_KINDS = {torch.float32: 0, torch.float64: 1, torch.bfloat16: 2}
 
 
 @pytest.fixture(scope="module")
-def emulated(tmp_path_factory):
+def binary(tmp_path_factory):
     compiler = shutil.which("c++") or shutil.which("g++")
     if compiler is None or not HERE.exists():
         pytest.skip("no C++ compiler, or no tests/cuda_on_cpu in this checkout")
-    binary = tmp_path_factory.mktemp("simt") / "kernels"
+    path = tmp_path_factory.mktemp("simt") / "kernels"
     includes = [HERE, build.source_dir() / "cuda", *include_paths()]
     # Address and undefined-behaviour sanitizers: a read or write outside an array fails the run, even where
     # the value read would be discarded
     built = subprocess.run([compiler, "-std=c++20", "-O1", "-pthread", "-fsanitize=address,undefined",
-                            *(f"-I{p}" for p in includes), str(HERE / "kernels.cpp"), "-o", str(binary)],
+                            *(f"-I{p}" for p in includes), str(HERE / "kernels.cpp"), "-o", str(path)],
                            capture_output=True, text=True)
     assert built.returncode == 0, built.stderr[-3000:]
+    return path
 
-    def run(family, x, idx, w, b, g, tmp_path):
+
+def _run(binary, mode, parts, dtype, tmp_path) -> torch.Tensor:
+    """Writes the problem, runs the kernels (``mode``: threads, rows or hinge), returns the results, flat."""
+    (tmp_path / "problem").write_bytes(b"".join(p.tobytes() for p in parts))
+    subprocess.run([str(binary), mode, str(tmp_path / "problem"), str(tmp_path / "result")], check=True, timeout=180)
+    return torch.from_numpy(np.fromfile(tmp_path / "result", dtype=torch.empty(0, dtype=dtype).numpy().dtype))
+
+
+@pytest.fixture
+def emulated(binary, tmp_path):
+    """The uniform op's three kernels of one family on one problem: (scores, grad_x, grad_w)."""
+    def run(family, x, idx, w, b, g):
         batch, inputs = x.shape
         conn, labels = idx.shape
         header = np.array([X_KINDS[x.dtype], batch, inputs, labels, conn, b is not None], dtype=np.int64)
         raw_x = x.view(torch.int16) if x.dtype == torch.bfloat16 else x
         parts = [header, raw_x.numpy(), idx.numpy(), w.numpy(), *([b.numpy()] if b is not None else []), g.numpy()]
-        (tmp_path / "problem").write_bytes(b"".join(p.tobytes() for p in parts))
-        subprocess.run([str(binary), family, str(tmp_path / "problem"), str(tmp_path / "result")], check=True,
-                       timeout=180)
-        values = torch.from_numpy(np.fromfile(tmp_path / "result", dtype=torch.empty(0, dtype=w.dtype).numpy().dtype))
-        scores, grad_x, grad_w = values.split([batch * labels, batch * inputs, conn * labels])
+        scores, grad_x, grad_w = _run(binary, family, parts, w.dtype, tmp_path).split(
+            [batch * labels, batch * inputs, conn * labels])
         return scores.view(batch, labels), grad_x.view(batch, inputs), grad_w.view(conn, labels)
 
     return run
@@ -71,18 +80,37 @@ def _problem(batch, inputs, labels, connectivity, density, dtype, seed):
     ((5, 9, 70, 3), 0.3, torch.float64),
 ], ids=lambda v: "x".join(map(str, v)) if isinstance(v, tuple) else str(v))
 @pytest.mark.parametrize("family", ["threads", "rows"])
-def test_kernel_source_matches_the_reference(emulated, tmp_path, family, shape, density, dtype):
+def test_kernel_source_matches_the_reference(emulated, family, shape, density, dtype):
     x, idx, w, b, g = _problem(*shape, density, dtype, seed=sum(shape))
-    scores, grad_x, grad_w = emulated(family, x, idx, w, b, g, tmp_path)
+    scores, grad_x, grad_w = emulated(family, x, idx, w, b, g)
     torch.testing.assert_close(scores, reference.forward(x, idx, w, b))
     torch.testing.assert_close(grad_x, reference.backward_input(g, idx, w, shape[1]))
     torch.testing.assert_close(grad_w, reference.backward_weight(g, x, idx))
 
 
 @pytest.mark.parametrize("family", ["threads", "rows"])
-def test_kernel_source_gathers_bf16_inputs_as_their_float32_values(emulated, tmp_path, family):
+def test_kernel_source_gathers_bf16_inputs_as_their_float32_values(emulated, family):
     x, idx, w, b, g = _problem(9, 50, 40, 6, 0.3, torch.float32, seed=5)
     xb = x.bfloat16()
-    scores, _, grad_w = emulated(family, xb, idx, w, None, g, tmp_path)
+    scores, _, grad_w = emulated(family, xb, idx, w, None, g)
     torch.testing.assert_close(scores, reference.forward(xb.float(), idx, w), rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(grad_w, reference.backward_weight(g, xb.float(), idx), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["f32", "f64"])
+@pytest.mark.parametrize("entries, blocks", [(7, 4), (4 * 256 * 3 + 5, 2)], ids=["below-a-pack", "grid-stride"])
+def test_squared_hinge_kernel_source_matches_the_reference(binary, tmp_path, dtype, entries, blocks):
+    """Both paths of the negatives kernel (16-byte packs, one value at a time; a trailing partial pack; two blocks
+    striding over several packs each), and the positives kernel with repeats, padding and scores at the hinge
+    points -1 and 1."""
+    gen = generator(entries)
+    scores = torch.randn(entries, generator=gen, dtype=dtype) * 2
+    scores[:4] = torch.tensor([-1.0, 1.0, 0.0, -3.0], dtype=dtype)[: min(4, entries)]
+    positives = torch.randint(entries, (9,), generator=gen)
+    positives = torch.cat([positives, positives[:3], torch.tensor([-1, 1, 0])])  # repeats, padding
+    header = np.array([0 if dtype == torch.float32 else 1, entries, positives.numel(), blocks], dtype=np.int64)
+    result = _run(binary, "hinge", [header, scores.numpy(), positives.numpy()], dtype, tmp_path)
+    want_loss, want_grad = reference.squared_hinge(scores, positives)
+    for loss, grad in (result[: entries + 1].split([1, entries]), result[entries + 1 :].split([1, entries])):
+        torch.testing.assert_close(loss[0], want_loss)
+        torch.testing.assert_close(grad, want_grad)

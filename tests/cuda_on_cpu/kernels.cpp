@@ -1,6 +1,7 @@
-// The uniform sparse op's CUDA kernels, run on a CPU through simt.h: the op's own (thread per label,
-// cuda_ext/cuda/uniform_sparse_kernels.cuh) or the warp-per-label candidates (uniform_sparse_rows_kernels.cuh),
-// with the host steps of their launchers (transposed, padded inputs; the transposed input gradient).
+// The project's CUDA kernels, run on a CPU through simt.h: the uniform op's own (thread per label,
+// cuda_ext/cuda/uniform_sparse_kernels.cuh), its warp-per-label candidates (uniform_sparse_rows_kernels.cuh)
+// and the fused squared hinge loss (squared_hinge_kernels.cuh), with the host steps of their launchers
+// (transposed, padded inputs; the transposed input gradient; the loss's grid and paths).
 // tests/test_cuda_kernels_on_cpu.py writes a problem, runs this and compares with the reference.
 //
 //   kernels threads|rows PROBLEM RESULT
@@ -8,6 +9,11 @@
 // connectivity, has bias}, then x (batch, inputs), indices int32 (connectivity, labels), weight, bias if any,
 // grad_out (batch, labels), contiguous. RESULT: forward (batch, labels), grad_x (batch, inputs),
 // grad_w (connectivity, labels), in the weights' type.
+//
+//   kernels hinge PROBLEM RESULT
+// The fused squared hinge loss (cuda_ext/cuda/squared_hinge_kernels.cuh), both paths of its negatives kernel.
+// PROBLEM: int64 header {kind (0 float32, 1 float64), entries, positives, most blocks}, then the scores and the
+// int64 positions. RESULT: loss and gradient with 16-byte packs, then loss and gradient one value at a time.
 #include "simt.h"  // first: CUDA's keywords for the kernels
 
 #include <cstdio>
@@ -16,6 +22,7 @@
 #include <stdexcept>
 #include <string>
 
+#include "squared_hinge_kernels.cuh"
 #include "uniform_sparse_kernels.cuh"
 #include "uniform_sparse_rows_kernels.cuh"
 
@@ -119,17 +126,48 @@ void run(const std::string& family, Reader& in, const int64_t* h, std::ofstream&
   }
 }
 
+// The launches of squared_hinge_cuda, with at most `cap` blocks for the negatives (the grid-stride loop).
+template <typename T, int V>
+void run_hinge_path(const std::vector<T>& scores, const std::vector<int64_t>& pos, int64_t cap, std::ofstream& out) {
+  const int64_t n = scores.size(), npos = pos.size();
+  std::vector<T> loss(1, T(0)), grad(n);
+  const T two_over_n = static_cast<T>(2.0 / n), inv_n = static_cast<T>(1.0 / n);
+  simt::launch(hinge::blocks_for(n / V, cap), hinge::kThreads, [&] {
+    hinge::negatives_kernel<T, V>(scores.data(), grad.data(), n, two_over_n, inv_n, loss.data());
+  });
+  if (npos > 0)
+    simt::launch(hinge::blocks_for(npos, cap), hinge::kThreads, [&] {
+      hinge::positives_kernel<T>(scores.data(), grad.data(), pos.data(), npos, n, two_over_n, inv_n, loss.data());
+    });
+  append(out, loss);
+  append(out, grad);
+}
+
+template <typename T>
+void run_hinge(Reader& in, const int64_t* h, std::ofstream& out) {
+  const auto scores = in.take<T>(h[1]);
+  const auto pos = in.take<int64_t>(h[2]);
+  run_hinge_path<T, 16 / sizeof(T)>(scores, pos, h[3], out);
+  run_hinge_path<T, 1>(scores, pos, h[3], out);
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
   if (argc != 4) {
-    std::fprintf(stderr, "usage: %s threads|rows PROBLEM RESULT\n", argv[0]);
+    std::fprintf(stderr, "usage: %s threads|rows|hinge PROBLEM RESULT\n", argv[0]);
     return 2;
   }
   std::ifstream file(argv[2], std::ios::binary);
   Reader in{std::vector<char>(std::istreambuf_iterator<char>(file), {})};
-  const auto header = in.take<int64_t>(6);
   std::ofstream out(argv[3], std::ios::binary);
+  if (std::string(argv[1]) == "hinge") {
+    const auto header = in.take<int64_t>(4);
+    if (header[0] == 0) run_hinge<float>(in, header.data(), out);
+    else run_hinge<double>(in, header.data(), out);
+    return 0;
+  }
+  const auto header = in.take<int64_t>(6);
   switch (header[0]) {
     case 0: run<float, float>(argv[1], in, header.data(), out); break;
     case 1: run<double, double>(argv[1], in, header.data(), out); break;

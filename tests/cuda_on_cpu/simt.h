@@ -4,9 +4,12 @@
 // serves as the block's shared memory. Slow (a barrier per shuffle) but exact: the kernels' own source
 // runs, with their indexing, tiling, synchronisation and atomics.
 #pragma once
+#include <c10/macros/Macros.h>
+
 #include <algorithm>
 #include <atomic>
 #include <barrier>
+#include <cassert>
 #include <chrono>
 #include <cstdint>
 #include <cstdio>
@@ -28,6 +31,7 @@ struct SimtIndex {
   unsigned x = 0;
 };
 inline thread_local SimtIndex threadIdx, blockIdx;
+inline SimtIndex gridDim;  // set by simt::launch
 
 // CUDA's vector types the kernels load through (each alignas its size, as in CUDA).
 struct alignas(16) float4 {
@@ -75,6 +79,7 @@ std::vector<T> exchange(T value, bool whole_block) {
 // at different barriers (a __syncthreads some threads skip) would hang on a GPU; here it ends the process.
 template <typename Kernel>
 void launch(unsigned grid, int threads, Kernel&& kernel) {
+  gridDim.x = grid;
   for (unsigned b = 0; b < grid; ++b) {
     Block block(threads);
     running = &block;
@@ -117,6 +122,12 @@ T __shfl_xor_sync(unsigned, T value, int lane_mask) {
   return simt::exchange(value, false)[(threadIdx.x % simt::kWarp) ^ lane_mask];
 }
 template <typename T>
+T __shfl_down_sync(unsigned, T value, unsigned delta) {
+  const unsigned lane = threadIdx.x % simt::kWarp;
+  const auto all = simt::exchange(value, false);
+  return lane + delta < simt::kWarp ? all[lane + delta] : value;
+}
+template <typename T>
 T __ldg(const T* p) {
   return *p;
 }
@@ -129,4 +140,21 @@ template <typename T>
 T atomicAdd(T* address, T value) {
   return std::atomic_ref<T>(*address).fetch_add(value);
 }
+template <typename T>
+T atomicExch(T* address, T value) {
+  return std::atomic_ref<T>(*address).exchange(value);
+}
+inline double __longlong_as_double(long long bits) {
+  double d;
+  std::memcpy(&d, &bits, sizeof d);
+  return d;
+}
+inline long long __double_as_longlong(double d) {
+  long long bits;
+  std::memcpy(&bits, &d, sizeof bits);
+  return bits;
+}
+#ifndef CUDA_KERNEL_ASSERT  // c10's device assertion, where this torch defines it only for CUDA builds
+#define CUDA_KERNEL_ASSERT(cond) assert(cond)
+#endif
 using std::min;

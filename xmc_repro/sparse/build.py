@@ -27,7 +27,7 @@ SOURCES_CPU = ("ops.cpp", "cpu/uniform_sparse_cpu.cpp", "cpu/squared_hinge_cpu.c
 SOURCES_CUDA = ("cuda/uniform_sparse_cuda.cu", "cuda/uniform_sparse_rows_cuda.cu", "cuda/squared_hinge_cuda.cu",
                 "cuda/l2_read_probe.cu")
 HEADERS = ("schema.h", "checks.h", "cuda/uniform_sparse_common.cuh", "cuda/uniform_sparse_kernels.cuh",
-           "cuda/uniform_sparse_rows_kernels.cuh")
+           "cuda/uniform_sparse_rows_kernels.cuh", "cuda/squared_hinge_kernels.cuh")
 CFLAGS = ["-O3", "-fopenmp"]
 LDFLAGS = ["-fopenmp"]
 CUDA_CFLAGS = ["-O3"]
