@@ -20,6 +20,18 @@ def generator(seed: int) -> torch.Generator:
     return torch.Generator().manual_seed(seed)
 
 
+def sparse_layer_problem(batch, inputs, labels, connectivity, density, dtype, seed):
+    """Random (x, indices, weight, bias, grad_out) of the uniform op on the CPU; ``density``: the fraction of
+    nonzero output gradients."""
+    gen = generator(seed)
+    x = torch.randn(batch, inputs, generator=gen, dtype=dtype)
+    idx = torch.randint(inputs, (connectivity, labels), generator=gen, dtype=torch.int32)
+    w = torch.randn(connectivity, labels, generator=gen, dtype=dtype)
+    b = torch.randn(labels, generator=gen, dtype=dtype)
+    g = torch.randn(batch, labels, generator=gen, dtype=dtype) * (torch.rand(batch, labels, generator=gen) < density)
+    return x, idx, w, b, g
+
+
 def label_lists(gen: torch.Generator, rows: int, num_labels: int, most: int = 4, least: int = 0):
     """CSR label lists (label_ptr, label_idx): ``least``..``most`` distinct labels per row."""
     counts = torch.randint(least, most + 1, (rows,), generator=gen)

@@ -12,7 +12,7 @@ import subprocess
 import numpy as np
 import pytest
 import torch
-from conftest import generator
+from conftest import generator, sparse_layer_problem
 from torch.utils.cpp_extension import include_paths
 
 from xmc_repro.sparse import build, reference
@@ -60,16 +60,6 @@ def emulated(binary, tmp_path):
     return run
 
 
-def _problem(batch, inputs, labels, connectivity, density, dtype, seed):
-    gen = generator(seed)
-    x = torch.randn(batch, inputs, generator=gen, dtype=dtype)
-    idx = torch.randint(inputs, (connectivity, labels), generator=gen, dtype=torch.int32)
-    w = torch.randn(connectivity, labels, generator=gen, dtype=dtype)
-    b = torch.randn(labels, generator=gen, dtype=dtype)
-    g = torch.randn(batch, labels, generator=gen, dtype=dtype) * (torch.rand(batch, labels, generator=gen) < density)
-    return x, idx, w, b, g
-
-
 # (batch, inputs, labels, connectivity): a partial last tile of labels, batch and connections below and above
 # the warp (two chunks of each), repeated sources (connectivity near inputs).
 @pytest.mark.parametrize("shape, density, dtype", [
@@ -81,7 +71,7 @@ def _problem(batch, inputs, labels, connectivity, density, dtype, seed):
 ], ids=lambda v: "x".join(map(str, v)) if isinstance(v, tuple) else str(v))
 @pytest.mark.parametrize("family", ["threads", "rows"])
 def test_kernel_source_matches_the_reference(emulated, family, shape, density, dtype):
-    x, idx, w, b, g = _problem(*shape, density, dtype, seed=sum(shape))
+    x, idx, w, b, g = sparse_layer_problem(*shape, density, dtype, seed=sum(shape))
     scores, grad_x, grad_w = emulated(family, x, idx, w, b, g)
     torch.testing.assert_close(scores, reference.forward(x, idx, w, b))
     torch.testing.assert_close(grad_x, reference.backward_input(g, idx, w, shape[1]))
@@ -90,7 +80,7 @@ def test_kernel_source_matches_the_reference(emulated, family, shape, density, d
 
 @pytest.mark.parametrize("family", ["threads", "rows"])
 def test_kernel_source_gathers_bf16_inputs_as_their_float32_values(emulated, family):
-    x, idx, w, b, g = _problem(9, 50, 40, 6, 0.3, torch.float32, seed=5)
+    x, idx, w, b, g = sparse_layer_problem(9, 50, 40, 6, 0.3, torch.float32, seed=5)
     xb = x.bfloat16()
     scores, _, grad_w = emulated(family, xb, idx, w, None, g)
     torch.testing.assert_close(scores, reference.forward(xb.float(), idx, w), rtol=1e-5, atol=1e-5)

@@ -11,7 +11,7 @@ import sys
 
 import pytest
 import torch
-from conftest import generator
+from conftest import sparse_layer_problem
 
 from xmc_repro.sparse import reference
 from xmc_repro.sparse.op import backend, ensure_registered
@@ -31,14 +31,8 @@ def ops():
     return torch.ops.xmc_bench
 
 
-def _problem(batch, inputs, labels, connectivity, density, dtype, seed):
-    gen = generator(seed)
-    x = torch.randn(batch, inputs, generator=gen, dtype=dtype)
-    idx = torch.randint(inputs, (connectivity, labels), generator=gen, dtype=torch.int32)
-    w = torch.randn(connectivity, labels, generator=gen, dtype=dtype)
-    b = torch.randn(labels, generator=gen, dtype=dtype)
-    g = torch.randn(batch, labels, generator=gen, dtype=dtype) * (torch.rand(batch, labels, generator=gen) < density)
-    return [t.cuda() for t in (x, idx, w, b, g)]
+def _problem(*args, **kwargs):
+    return [t.cuda() for t in sparse_layer_problem(*args, **kwargs)]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["f32", "f64"])
