@@ -137,7 +137,7 @@ def _register() -> dict[str, str]:
     if mode not in ("auto", "reference", "compiled"):
         raise SparseInputError(f"XMC_SPARSE_BACKEND={mode!r} must be one of auto, reference, compiled")
     # Which CUDA kernels the op runs: its own (a thread per label) or the warp-per-label candidates
-    # (cuda_ext/cuda/uniform_sparse_rows_cuda.cu), to measure those in training.
+    # (cuda_ext/cuda/uniform_sparse_rows_kernels.cuh), to measure those in training.
     kernels = os.environ.get("XMC_SPARSE_KERNELS", "threads").strip().lower() or "threads"
     if kernels not in ("threads", "rows"):
         raise SparseInputError(f"XMC_SPARSE_KERNELS={kernels!r} must be threads or rows")
