@@ -14,7 +14,8 @@
 #    (XMC_SPARSE_KERNELS=rows, results in results/bench/rows-kernels/),
 # 6. one full epoch of the pipeline at Amazon-670K's shape (uniform, 32k intermediate layer, graph step), at each
 #    of EPOCH_PRECISIONS (default "32-true bf16-mixed"), with a profile of 20 of its steps (trainer.profile_steps:
-#    where the real loop leaves the GPU idle), after the 32-true one the same with the warp-per-label kernels
+#    where the real loop leaves the GPU idle; every epoch line and the run's summary give the median ms per step
+#    over windows of 100 steps, MLflow's train/ms_per_step the curve), after the 32-true one the same with the warp-per-label kernels
 #    (epoch-rows-32-true); then the dense model's epoch at 32-true (the epoch's dense/uniform ratio; about 2.5
 #    minutes),
 # 7. with BIBTEX=1: Bibtex through the pipeline, seed 0, float32, bf16-mixed and float32 with the warp-per-label

@@ -1,13 +1,19 @@
-"""The Rewiring callback in a real fit: Adam's moments are zeroed exactly at the rewired slots; epoch rewiring fires."""
+"""Callbacks in a real fit: Adam's moments are zeroed exactly at the rewired slots; epoch rewiring fires; step times;
+the step profile and the memory report."""
 
 from __future__ import annotations
+
+import statistics
+import time
 
 import lightning.pytorch as pl
 import pytest
 import torch
 from conftest import TINY, quiet_trainer
 
-from xmc_repro.callbacks import MemoryPeakReport, Rewiring, StepProfile
+from lightning.pytorch.loggers import Logger
+
+from xmc_repro.callbacks import EpochTime, MemoryPeakReport, Rewiring, StepProfile
 from xmc_repro.data import build_datamodule
 from xmc_repro.model import XMCClassifier
 
@@ -74,6 +80,52 @@ def test_epoch_rewiring_fires_at_every_epoch_start_but_the_first(tmp_path):
     assert not torch.equal(seen[0], seen[1]) and not torch.equal(seen[1], seen[2])
     step_only = Rewiring(0.25, every_n_steps=None, every_epoch=False)
     assert not any(step_only.due(s) for s in range(1, 100))
+
+
+class _Kept(Logger):
+    """A logger that keeps what it is given, in order."""
+
+    name, version = "kept", 0
+
+    def __init__(self):
+        super().__init__()
+        self.metrics: list[tuple[int, dict]] = []
+
+    def log_metrics(self, metrics, step=None):
+        self.metrics.append((step, dict(metrics)))
+
+    def log_hyperparams(self, params, *args, **kwargs):
+        pass
+
+
+def test_step_times_are_window_means_per_epoch_logged_at_each_windows_last_step(tmp_path, capsys):
+    from xmc_repro.console import EpochLine
+
+    class _Slow(pl.Callback):  # every step takes at least 15 ms more
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            time.sleep(0.015)
+
+    times, logger = EpochTime(step_window=3), _Kept()
+    model = XMCClassifier(TINY["num_features"], TINY["num_labels"], head="uniform", connectivity=4, intermediate=32)
+    trainer = quiet_trainer(tmp_path, max_epochs=2, limit_train_batches=8, limit_val_batches=1, logger=logger,
+                            log_every_n_steps=1000, callbacks=[_Slow(), times, EpochLine()])
+    start = time.perf_counter()
+    trainer.fit(model, datamodule=build_datamodule(TINY, batch_size=16, seed=0))
+    fit_ms = (time.perf_counter() - start) * 1000
+    logged = [(step, m["train/ms_per_step"]) for step, m in logger.metrics if "train/ms_per_step" in m]
+    # Windows start at batches 0, 3, 6 of each epoch; the last one of an epoch (2 batches) ends at validation,
+    # which no window includes: two windows an epoch, logged at the step that ends them.
+    assert [step for step, _ in logged] == [3, 6, 11, 14]
+    assert [ms for _, ms in logged] == times.step_ms
+    assert all(ms >= 15 for ms in times.step_ms) and 3 * sum(times.step_ms) < fit_ms  # per step, not per window
+    assert times.step_ms_median == statistics.median(times.step_ms)
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("epoch 2/2")]
+    assert lines and lines[0].endswith(f"{statistics.median(times.step_ms[2:]):.2f} ms/step")
+    resumed = EpochTime()
+    resumed.load_state_dict(times.state_dict())
+    assert resumed.step_ms == times.step_ms
+    resumed.load_state_dict({"fit_seconds": 1.0})  # a checkpoint from before step times
+    assert resumed.step_ms == [] and resumed.step_ms_median is None
 
 
 def test_a_step_profile_covers_the_asked_steps_and_lands_in_the_runs_folder(tmp_path, capsys):

@@ -48,10 +48,12 @@ def print_summary(cfg: DictConfig, results: dict) -> None:
     if chosen:
         console.print(chosen, markup=False, highlight=False)
     memory = results.get("peak_gpu_memory_gib")
+    step_ms = results.get("train/ms_per_step_median")
+    step = f" | ms per step (median): {step_ms:.2f}" if step_ms is not None else ""
     # Not wrapped at the console width: the UI command must stay one line to copy.
     console.print(
         f"peak GPU memory: {f'{memory:.3f} GiB' if memory is not None else 'not applicable (CPU run)'}"
-        f" | epochs: {results['epochs']} | seconds per epoch: {results['time_per_epoch_s']:.1f}"
+        f" | epochs: {results['epochs']} | seconds per epoch: {results['time_per_epoch_s']:.1f}{step}"
         f" | device: {results['device']}",
         soft_wrap=True, markup=False, highlight=False,
     )

@@ -1,7 +1,8 @@
-"""Lightning callbacks: sparse rewiring, peak GPU memory, epoch time, a profile of some training steps."""
+"""Lightning callbacks: sparse rewiring, peak GPU memory, epoch and step times, a profile of some training steps."""
 
 from __future__ import annotations
 
+import statistics
 import time
 from pathlib import Path
 
@@ -118,22 +119,48 @@ class PeakMemory(pl.Callback):
 
 
 class EpochTime(pl.Callback):
-    """Wall seconds per epoch. `time_per_epoch_s` follows the paper: whole fit time / epochs (evaluation included)."""
+    """Wall time per epoch and per training step. `time_per_epoch_s` follows the paper: whole fit time / epochs
+    (evaluation included).
 
-    def __init__(self):
+    Steps are timed over windows of `step_window` batches of one epoch, between two device syncs (one per window, so
+    the GPU's queued work counts where it runs): a window includes its steps' callbacks (a rewiring, a checkpoint),
+    never validation. Each window's mean is logged as `train/ms_per_step` at its last step (a curve over training:
+    early steps, whose squared-hinge gradients are dense, are slower); `step_ms_median` is the median over the fit's
+    windows, which a rewiring inside a window does not move.
+    """
+
+    def __init__(self, step_window: int = 100):
+        self.step_window = step_window
         self.fit_seconds = 0.0
         self.epochs = 0
+        self.step_ms: list[float] = []  # every window's mean, in order
+        self.epoch_step_ms: list[float] = []  # this epoch's
         self._fit_start = self._epoch_start = None
+        self._window: tuple[float, int] | None = None  # (start time, first batch index)
 
     def on_fit_start(self, trainer, pl_module):
         self._fit_start = time.perf_counter()
 
     def on_train_start(self, trainer, pl_module):
-        # A run resumed mid-epoch gets no on_train_epoch_start for that epoch: start its clock here.
-        self._epoch_start = time.perf_counter()
+        # A run resumed mid-epoch gets no on_train_epoch_start for that epoch: start its clocks here.
+        self._epoch_start, self._window = time.perf_counter(), None
 
     def on_train_epoch_start(self, trainer, pl_module):
-        self._epoch_start = time.perf_counter()
+        self._epoch_start, self._window, self.epoch_step_ms = time.perf_counter(), None, []
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if self._window is not None and batch_idx - self._window[1] < self.step_window:
+            return
+        if pl_module.device.type == "cuda":
+            torch.cuda.synchronize(pl_module.device)
+        now = time.perf_counter()
+        if self._window is not None:
+            ms = (now - self._window[0]) * 1000 / (batch_idx - self._window[1])
+            self.step_ms.append(ms)
+            self.epoch_step_ms.append(ms)
+            for logger in trainer.loggers:
+                logger.log_metrics({"train/ms_per_step": ms}, step=trainer.global_step)
+        self._window = (now, batch_idx)
 
     def on_train_epoch_end(self, trainer, pl_module):
         pl_module.log("epoch_time_s", time.perf_counter() - self._epoch_start, rank_zero_only=True)
@@ -149,12 +176,17 @@ class EpochTime(pl.Callback):
     def time_per_epoch_s(self) -> float:
         return self.fit_seconds / max(self.epochs, 1)
 
+    @property
+    def step_ms_median(self) -> float | None:
+        return statistics.median(self.step_ms) if self.step_ms else None
+
     def state_dict(self):  # a resumed run keeps counting the time already spent
         running = time.perf_counter() - self._fit_start if self._fit_start is not None else 0.0
-        return {"fit_seconds": self.fit_seconds + running}
+        return {"fit_seconds": self.fit_seconds + running, "step_ms": list(self.step_ms)}
 
     def load_state_dict(self, state_dict):
         self.fit_seconds = state_dict["fit_seconds"]
+        self.step_ms = list(state_dict.get("step_ms", []))  # absent from checkpoints written before step times
 
 
 class StepProfile(pl.Callback):

@@ -280,6 +280,8 @@ def _fit_and_test(cfg, tracker, checkpoint_dir: Path, resume_from: Path | None, 
     # A run resumed after its last epoch validates nothing itself: the checkpoint knows the count.
     results["epochs"] = max(callbacks["time"].epochs, callbacks["last"].epochs_done)
     results["time_per_epoch_s"] = callbacks["time"].fit_seconds / max(results["epochs"], 1)
+    if callbacks["time"].step_ms_median is not None:
+        results["train/ms_per_step_median"] = callbacks["time"].step_ms_median
     if callbacks["memory"].peak_gib is not None:
         results["peak_gpu_memory_gib"] = callbacks["memory"].peak_gib
     # Exact sizes of what training holds besides activations (Adam adds two moments per parameter).

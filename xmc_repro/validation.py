@@ -116,6 +116,9 @@ def validate(cfg: DictConfig) -> None:
     _optional_positive(cfg, t + "checkpoint_every_n_steps", "or null for a checkpoint at every epoch end only")
     _optional_positive(cfg, t + "profile_steps", "or null for no profile")
     _optional_positive(cfg, "dataset.rewire_every_n_steps", "or null for no rewiring by steps")
+    if OmegaConf.select(cfg, "callbacks.time") is not None:
+        positive_int(OmegaConf.select(cfg, "callbacks.time.step_window", default=100), "callbacks.time.step_window",
+                     example=100)
     number(cfg, "dataset.dropout", low=0, high=1, high_open=True)
     if cfg.validate_on not in ("test", "holdout"):
         raise ConfigError(f"validate_on={cfg.validate_on!r} must be 'test' (the authors' protocol) or 'holdout'")
