@@ -14,9 +14,9 @@
 #    (XMC_SPARSE_KERNELS=rows, results in results/bench/rows-kernels/),
 # 6. one full epoch of the pipeline at Amazon-670K's shape (uniform, 32k intermediate layer, graph step), at each
 #    of EPOCH_PRECISIONS (default "32-true bf16-mixed"), with a profile of 20 of its steps (trainer.profile_steps:
-#    where the real loop leaves the GPU idle; every epoch line and the run's summary give the median ms per step
-#    over windows of 100 steps, MLflow's train/ms_per_step the curve), after the 32-true one the same with the warp-per-label kernels
-#    (epoch-rows-32-true); then the dense model's epoch at 32-true (the epoch's dense/uniform ratio; about 2.5
+#    where the real loop leaves the GPU idle), after the 32-true one the same with the warp-per-label kernels
+#    (epoch-rows-32-true); the step's wall time over each epoch, by quarter (step-times.md, scripts/step_times.py:
+#    early steps are slower); then the dense model's epoch at 32-true (the epoch's dense/uniform ratio; about 2.5
 #    minutes),
 # 7. with BIBTEX=1: Bibtex through the pipeline, seed 0, float32, bf16-mixed and float32 with the warp-per-label
 #    kernels (P@k against the CPU runs; measured on an H200 at 17de686, README), if its files are carried
@@ -103,6 +103,7 @@ if [ -n "${XMC_SHARED_DATA:-}" ] && [ "${BIBTEX:-0}" = 1 ]; then
       trainer.precision=$precision table=gpu_check
   done
 fi
+python3 scripts/step_times.py "$MLFLOW_TRACKING_URI" > "$LOGS/step-times.md" 2> "$LOGS/step-times.err"
 cp -r results/bench "$LOGS/" 2>/dev/null
 tar czf "$OUT/gpu_all.tgz" -C "$(dirname "$LOGS")" "$(basename "$LOGS")"
 
@@ -114,5 +115,6 @@ sed -n '/^| model /,$p' "$LOGS/model.log" "$LOGS/model-rows.log" 2>/dev/null
 cat results/bench/*-model-profile.txt 2>/dev/null | grep -E "^==|^device span|^host during|^  +[0-9.]+  |^blocking"
 grep -E "peak GPU|^allocated at|MiB .* blocks" "$LOGS"/memory-graph-*.log
 for p in 32-true rows-32-true bf16-mixed dense-32-true; do [ -f "$LOGS/epoch-$p.log" ] && grep -E "^epoch |peak GPU|MLflow run|^profile of|^device span|^host during|^  +[0-9.]+  |^blocking" "$LOGS/epoch-$p.log" | tail -20; done
+cat "$LOGS/step-times.md"
 sed -n '/^case /,$p' "$LOGS/layer.log"
 for p in 32-true bf16-mixed rows-32-true; do [ -f "$LOGS/bibtex-$p.log" ] && grep -E "test|seconds per epoch" "$LOGS/bibtex-$p.log" | tail -3; done

@@ -3,7 +3,8 @@
 #   bash scripts/gpu_collect.sh FILES_AT LOGS_NAME
 # FILES_AT: the folder holding gpu_all.tgz; LOGS_NAME: the folder under results/bench/ for this call's logs
 # (e.g. nvidia-h100-rows). It
-# 1. unpacks the logs into results/bench/LOGS_NAME/ (the epochs' step profiles and memory reports included),
+# 1. unpacks the logs into results/bench/LOGS_NAME/ (the epochs' step profiles, step times and memory reports
+#    included),
 # 2. copies the benchmark results (<card>.*, <card>-model*, rows-kernels/) into results/bench/, replacing the
 #    earlier files of that card (the call's copy of results/bench holds the checkout's files besides its own),
 # 3. copies the call's finished table runs into results/records/ (its MLflow store gpu_runs.db), and
@@ -20,7 +21,7 @@ tar xzf "$files_at/gpu_all.tgz" -C "$tmp"
 logs=$tmp/xmc_gpu_logs
 dest=results/bench/$name
 mkdir -p "$dest"
-find "$logs" -maxdepth 1 -type f \( -name '*.log' -o -name 'profile-*' -o -name 'memory-peak-*' \) -exec cp {} "$dest/" \;
+find "$logs" -maxdepth 1 -type f \( -name '*.log' -o -name 'profile-*' -o -name 'memory-peak-*' -o -name 'step-times.md' \) -exec cp {} "$dest/" \;
 # results/bench came along from the checkout: what the call did not rewrite copies over itself unchanged
 [ -d "$logs/bench" ] && cp -r "$logs/bench/." results/bench/
 if [ -f "$logs/gpu_runs.db" ]; then

@@ -174,3 +174,25 @@ def test_a_memory_report_breaks_down_the_runs_peak(tmp_path):
     # The model was made on the CPU, so its move to the GPU is recorded too: the recorded peak is the fit's own.
     assert abs(peak - (torch.cuda.max_memory_allocated() - before) / 2**20) < 0.1
     assert "_init_group" in text  # Adam's state, allocated by its first step
+
+
+def test_the_step_times_script_gives_each_curves_quarters_in_order(tmp_path):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from mlflow.tracking import MlflowClient
+
+    store = f"sqlite:///{tmp_path / 'runs.db'}"
+    client = MlflowClient(store)
+    run = client.create_run(client.create_experiment("steps"), tags={"sparse_backend": "compiled-cuda"})
+    for step, ms in enumerate([9.0, 7.0, 5.0, 4.0, 3.0, 3.5, 2.0, 2.5], start=1):  # out of order: step decides
+        client.log_metric(run.info.run_id, "train/ms_per_step", ms, step=100 * (9 - step))
+    client.log_param(run.info.run_id, "trainer/precision", "32-true")
+    client.create_run(client.get_experiment_by_name("steps").experiment_id)  # no curve: no row
+    script = Path(__file__).resolve().parents[1] / "scripts" / "step_times.py"
+    out = subprocess.run([sys.executable, str(script), store], capture_output=True, text=True, check=True).stdout
+    rows = [line for line in out.splitlines() if line.startswith(f"| `{run.info.run_id[:8]}`")]
+    assert len(out.splitlines()) == 3 and len(rows) == 1
+    # logged at steps 800 (9.0) down to 100 (2.5): in step order 2.5, 2.0 | 3.5, 3.0 | 4.0, 5.0 | 7.0, 9.0
+    assert rows[0].endswith("| 32-true | compiled-cuda | 8 | 2.25 / 3.25 / 4.50 / 8.00 | 3.75 |")

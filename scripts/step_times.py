@@ -1,0 +1,42 @@
+"""The training step's wall time over each run of an MLflow store, from the curve `train/ms_per_step`
+(`xmc_repro.callbacks.EpochTime`: the mean over each window of `callbacks.time.step_window` batches).
+
+    python scripts/step_times.py [STORE]      (default sqlite:///mlruns.db)
+
+One markdown row per run with such a curve: the median ms per step of each quarter of its windows, in order (early
+steps, whose squared-hinge gradients are dense, are the slowest), and of all of them. Windows with a rewiring or
+a checkpoint are slower; a quarter's median is not moved by a few of them.
+"""
+from __future__ import annotations
+
+import statistics
+import sys
+
+
+def quarters(values: list[float]) -> list[float]:
+    """Medians of the four consecutive quarters of `values` (some may be empty below 4 values: left out)."""
+    n = len(values)
+    parts = [values[n * i // 4: n * (i + 1) // 4] for i in range(4)]
+    return [statistics.median(p) for p in parts if p]
+
+
+def main(store: str = "sqlite:///mlruns.db") -> None:
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(store)
+    experiments = [e.experiment_id for e in client.search_experiments()]
+    print("| run | name | precision | kernels | windows | ms per step by quarter of the run | median |")
+    print("|---|---|---|---|---:|---|---:|")
+    for run in client.search_runs(experiments, order_by=["attributes.start_time ASC"]):
+        history = sorted(client.get_metric_history(run.info.run_id, "train/ms_per_step"), key=lambda m: m.step)
+        values = [m.value for m in history]
+        if not values:
+            continue
+        by_quarter = " / ".join(f"{v:.2f}" for v in quarters(values))
+        precision = run.data.params.get("trainer/precision", "")
+        print(f"| `{run.info.run_id[:8]}` | {run.info.run_name} | {precision} | {run.data.tags.get('sparse_backend', '')} "
+              f"| {len(values)} | {by_quarter} | {statistics.median(values):.2f} |")
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:2])
