@@ -15,7 +15,8 @@
 # 6. one full epoch of the pipeline at Amazon-670K's shape (uniform, 32k intermediate layer, graph step), at each
 #    of EPOCH_PRECISIONS (default "32-true bf16-mixed"), with a profile of 20 of its steps (trainer.profile_steps:
 #    where the real loop leaves the GPU idle), after the 32-true one the same with the warp-per-label kernels
-#    (epoch-rows-32-true); the step's wall time over each epoch, by quarter (step-times.md, scripts/step_times.py:
+#    (epoch-rows-32-true) and, where the layer benchmark found the candidates faster in some phases only, with
+#    those phases on them (epoch-mixed-32-true, XMC_SPARSE_KERNELS=rows:<phases>); the step's wall time over each epoch, by quarter (step-times.md, scripts/step_times.py:
 #    early steps are slower); then the dense model's epoch at 32-true (the epoch's dense/uniform ratio; about 2.5
 #    minutes),
 # 7. with BIBTEX=1: Bibtex through the pipeline, seed 0, float32, bf16-mixed and float32 with the warp-per-label
@@ -84,8 +85,11 @@ epoch() {  # epoch NAME MODEL PRECISION SECONDS [overrides...]: one epoch of the
 }
 for precision in ${EPOCH_PRECISIONS:-32-true bf16-mixed}; do
   epoch "epoch-$precision" uniform "$precision" 170 model.intermediate=32768 trainer.profile_steps=20
-  [ "$precision" = 32-true ] && KERNELS=rows epoch epoch-rows-32-true uniform 32-true 170 model.intermediate=32768 \
-    trainer.profile_steps=20
+  [ "$precision" = 32-true ] || continue
+  KERNELS=rows epoch epoch-rows-32-true uniform 32-true 170 model.intermediate=32768 trainer.profile_steps=20
+  # each phase on the kernels the layer benchmark found faster, when that is neither all the op's nor all rows
+  mixed=$(grep -oE "XMC_SPARSE_KERNELS=rows:[a-z_,]+" "$LOGS/layer.log" 2>/dev/null | head -1 | cut -d= -f2)
+  [ -n "$mixed" ] && KERNELS=$mixed epoch epoch-mixed-32-true uniform 32-true 170 model.intermediate=32768
 done
 epoch epoch-dense-32-true dense 32-true 240
 for d in checkpoints/*/; do  # the epochs' step profiles, named by run
@@ -114,7 +118,7 @@ grep -E "passed|failed|error" "$LOGS/tests.log" | tail -3
 sed -n '/^| model /,$p' "$LOGS/model.log" "$LOGS/model-rows.log" 2>/dev/null
 cat results/bench/*-model-profile.txt 2>/dev/null | grep -E "^==|^device span|^host during|^  +[0-9.]+  |^blocking"
 grep -E "peak GPU|^allocated at|MiB .* blocks" "$LOGS"/memory-graph-*.log
-for p in 32-true rows-32-true bf16-mixed dense-32-true; do [ -f "$LOGS/epoch-$p.log" ] && grep -E "^epoch |peak GPU|MLflow run|^profile of|^device span|^host during|^  +[0-9.]+  |^blocking" "$LOGS/epoch-$p.log" | tail -20; done
+for p in 32-true rows-32-true mixed-32-true bf16-mixed dense-32-true; do [ -f "$LOGS/epoch-$p.log" ] && grep -E "^epoch |peak GPU|MLflow run|^profile of|^device span|^host during|^  +[0-9.]+  |^blocking" "$LOGS/epoch-$p.log" | tail -20; done
 cat "$LOGS/step-times.md"
 sed -n '/^case /,$p' "$LOGS/layer.log"
 for p in 32-true bf16-mixed rows-32-true; do [ -f "$LOGS/bibtex-$p.log" ] && grep -E "test|seconds per epoch" "$LOGS/bibtex-$p.log" | tail -3; done

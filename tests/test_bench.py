@@ -102,3 +102,25 @@ def test_the_candidate_kernels_are_benchmarked_beside_the_op_and_compute_what_it
     timed = {(r["method"], r["phase"]) for r in rows if "ms" in r}
     assert {(m, "fwd+bwd") for m in ("uniform", bench.ROWS, bench.ROWS_BF16)} <= timed
     assert all("x_l2_floor" in r for r in rows if "ms" in r)
+
+
+def test_rows_choice_picks_each_phases_faster_kernels_over_the_cases_that_timed_both():
+    from xmc_repro.bench import ROWS, rows_choice
+
+    def timed(case, method, **ms):
+        return [{"case": case, "method": method, "phase": phase, "ms": v} for phase, v in ms.items()]
+
+    rows = (timed("hinge", "uniform", forward=0.73, backward_input=0.33, backward_weight=0.30, **{"fwd+bwd": 1.4})
+            + timed("hinge", ROWS, forward=0.50, backward_input=0.40, backward_weight=0.20, **{"fwd+bwd": 9.0})
+            + timed("bce", "uniform", forward=0.73, backward_input=2.06, backward_weight=0.74)
+            + timed("bce", ROWS, forward=0.50, backward_input=1.00, backward_weight=0.90)
+            + timed("other", "uniform", forward=9.0, backward_weight=9.0)  # no candidate timed: not counted
+            + [{"case": "bce", "method": "csr", "phase": "forward", "ms": 0.01},
+               {"case": "hinge", "method": ROWS, "phase": "all", "note": "out of memory while building"}])
+    # sums: forward 1.46 vs 1.00, backward_input 2.39 vs 1.40, backward_weight 1.04 vs 1.10
+    assert rows_choice(rows) == "rows:forward,backward_input"
+    assert rows_choice([r for r in rows if r["phase"] == "backward_weight"]) == "threads"
+    assert rows_choice([r for r in rows if r["phase"] != "backward_weight"]) == "rows:forward,backward_input"
+    slower = [{**r, "ms": r["ms"] * 10} if r["method"] == "uniform" and "ms" in r else r for r in rows]
+    assert rows_choice(slower) == "rows"
+    assert rows_choice([r for r in rows if r["method"] != ROWS]) is None

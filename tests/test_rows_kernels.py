@@ -14,7 +14,7 @@ import torch
 from conftest import sparse_layer_problem
 
 from xmc_repro.sparse import reference
-from xmc_repro.sparse.op import backend, ensure_registered
+from xmc_repro.sparse.op import ROWS_PHASES, backend, ensure_registered
 
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")]
 
@@ -77,23 +77,36 @@ def test_rows_kernels_check_their_inputs_as_the_op_does(ops):
         ops.rows_backward_weight(g, x[:2], idx)
 
 
-def test_the_op_runs_the_candidates_when_asked(ops):
-    """XMC_SPARSE_KERNELS=rows: the op's CUDA kernels hand over to the candidates (a fresh process: the switch
-    is set when the op registers), through autograd as in training, and the backend says so."""
-    script = """
+@pytest.mark.parametrize("setting, phases", [("rows", ("forward", "backward_input", "backward_weight")),
+                                             ("rows:backward_input", ("backward_input",)),
+                                             ("rows:backward_weight,forward", ("forward", "backward_weight"))])
+def test_the_op_runs_the_candidates_of_the_phases_asked(ops, setting, phases):
+    """XMC_SPARSE_KERNELS: the op's CUDA kernels hand over to the candidates in the phases named (a fresh process:
+    the switch is set when the op registers), through autograd as in training; the backend says so, and the
+    profiler sees each phase's kernel from the namespace asked (rows:: or threads::)."""
+    script = f"""
 import torch
+from torch.profiler import ProfilerActivity, profile
 from xmc_repro.sparse import backend, reference, uniform_sparse_linear
-assert backend("cuda") == "compiled-cuda-rows", backend("cuda")
+print(backend("cuda"))
 g = torch.Generator().manual_seed(3)
 x = torch.randn(33, 70, generator=g).cuda().requires_grad_()
 idx = torch.randint(70, (33, 95), generator=g, dtype=torch.int32).cuda()
 w = torch.randn(33, 95, generator=g).cuda().requires_grad_()
 grad = torch.randn(33, 95, generator=g).cuda()
-uniform_sparse_linear(x, idx, w).backward(grad)
+with profile(activities=[ProfilerActivity.CUDA]) as prof:
+    uniform_sparse_linear(x, idx, w).backward(grad)
+    torch.cuda.synchronize()
 torch.testing.assert_close(x.grad, reference.backward_input(grad, idx, w.detach(), 70))
 torch.testing.assert_close(w.grad, reference.backward_weight(grad, x.detach(), idx))
-print("ok")
+for phase in {ROWS_PHASES!r}:
+    spaces = sorted({{space for space in ("rows", "threads") for e in prof.events()
+                      if f"{{space}}::{{phase}}_kernel" in e.name}})
+    print(phase, *spaces)
 """
-    env = {**os.environ, "XMC_SPARSE_KERNELS": "rows"}
+    env = {**os.environ, "XMC_SPARSE_KERNELS": setting}
     proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr[-3000:]
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = proc.stdout.split("\n")
+    assert lines[0] == ("compiled-cuda-rows" if len(phases) == 3 else "compiled-cuda-rows:" + ",".join(phases))
+    assert lines[1:4] == [f"{phase} {'rows' if phase in phases else 'threads'}" for phase in ROWS_PHASES]

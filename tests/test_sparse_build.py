@@ -42,6 +42,18 @@ def test_unknown_backend_setting_is_rejected(tmp_path, variable):
     assert proc.returncode != 0 and f"{variable}='fast'" in proc.stderr
 
 
+def test_kernels_setting_names_the_phases_that_run_the_warp_per_label_candidates():
+    from xmc_repro.sparse.checks import SparseInputError
+    from xmc_repro.sparse.op import ROWS_PHASES, rows_phases
+
+    assert rows_phases(None) == rows_phases(" ") == rows_phases("Threads") == ()
+    assert rows_phases("rows") == rows_phases("rows:backward_weight,forward, backward_input") == ROWS_PHASES
+    assert rows_phases("rows:backward_weight,forward") == ("forward", "backward_weight")  # in the kernels' order
+    for bad in ("rows:", "rows:fwd", "forward", "rows:forward,,backward_input"):
+        with pytest.raises(SparseInputError, match=r"must be threads, rows, or rows:<phases> \(a comma list of "):
+            rows_phases(bad)
+
+
 @pytest.mark.slow
 def test_concurrent_first_use_shares_one_build(tmp_path):
     procs = [_probe(tmp_path) for _ in range(3)]

@@ -424,6 +424,25 @@ def summary(rows: list[dict]) -> str:
     return "\n".join(out)
 
 
+def rows_choice(rows: list[dict], op: str = "uniform", candidates: str = ROWS) -> str | None:
+    """The `XMC_SPARSE_KERNELS` value that runs each phase on whichever kernels took less time in `rows`, summed over
+    the cases that timed both (`threads`, `rows` or `rows:<phases>`); None when no case timed both."""
+    totals: dict[tuple[str, str], float] = {}
+    for case in {r["case"] for r in rows}:
+        times = {(r["method"], r["phase"]): r["ms"] for r in rows if r["case"] == case and "ms" in r}
+        for phase in sparse_op.ROWS_PHASES:
+            if (op, phase) in times and (candidates, phase) in times:
+                for method in (op, candidates):
+                    totals[method, phase] = totals.get((method, phase), 0.0) + times[method, phase]
+    if not totals:
+        return None
+    faster = [phase for phase in sparse_op.ROWS_PHASES
+              if (op, phase) in totals and totals[candidates, phase] < totals[op, phase]]
+    if not faster:
+        return "threads"
+    return "rows" if len(faster) == len(sparse_op.ROWS_PHASES) else "rows:" + ",".join(faster)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m xmc_repro.bench", description=__doc__.split("\n")[0])
     ap.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
@@ -482,6 +501,9 @@ def main(argv: list[str] | None = None) -> int:
     (out / f"{name}.md").write_text(markdown(info, rows))
     print(f"wrote {out / name}.json and .md")
     print(summary(rows))
+    choice = rows_choice(rows)
+    if choice is not None:  # a line scripts/gpu_all.sh reads
+        print(f"fastest kernels per phase: XMC_SPARSE_KERNELS={choice}")
     return 0
 
 

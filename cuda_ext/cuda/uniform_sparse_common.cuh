@@ -42,9 +42,11 @@ const TX* data_as(const at::Tensor& t) {
   return reinterpret_cast<const TX*>(t.const_data_ptr());
 }
 
-// The warp-per-label kernels, and whether the op's CUDA kernels hand over to them (set by
-// xmc_bench::use_rows_kernels, which xmc_repro/sparse/op.py calls for XMC_SPARSE_KERNELS=rows).
-bool rows_kernels();
+// The warp-per-label kernels, and which of the op's three CUDA kernels hand over to them: a mask of the
+// phases below, set by xmc_bench::use_rows_kernels, which xmc_repro/sparse/op.py calls for
+// XMC_SPARSE_KERNELS=rows (all three) or rows:<phases>.
+enum RowsPhase : int { kRowsForward = 1, kRowsBackwardInput = 2, kRowsBackwardWeight = 4 };
+bool rows_kernels(RowsPhase phase);
 at::Tensor rows_forward_cuda(const at::Tensor& x, const at::Tensor& indices, const at::Tensor& weight,
                              const std::optional<at::Tensor>& bias);
 at::Tensor rows_backward_input_cuda(const at::Tensor& grad_out, const at::Tensor& indices, const at::Tensor& weight,

@@ -2,8 +2,8 @@
 // the op's own thread-per-label kernels (uniform_sparse_cuda.cu) by xmc_repro.bench (methods `uniform-rows`
 // and `uniform-rows-bf16`). Registered as xmc_bench::rows_forward / rows_backward_input /
 // rows_backward_weight, with the schemas of xmc_sparse::forward / backward_input / backward_weight; the op
-// runs them instead of its own after xmc_bench::use_rows_kernels(true) (XMC_SPARSE_KERNELS=rows), to
-// measure them in training.
+// runs them instead of its own in the phases of xmc_bench::use_rows_kernels(mask) (XMC_SPARSE_KERNELS=rows
+// or rows:<phases>), to measure them in training.
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
@@ -20,11 +20,11 @@
 namespace xmc_sparse {
 namespace {
 
-std::atomic<bool> use_rows{false};
+std::atomic<int> rows_phases{0};  // RowsPhase bits
 
 }  // namespace
 
-bool rows_kernels() { return use_rows.load(std::memory_order_relaxed); }
+bool rows_kernels(RowsPhase phase) { return (rows_phases.load(std::memory_order_relaxed) & phase) != 0; }
 
 at::Tensor rows_forward_cuda(const at::Tensor& x, const at::Tensor& indices, const at::Tensor& weight,
                              const std::optional<at::Tensor>& bias) {
@@ -87,7 +87,11 @@ at::Tensor rows_backward_weight_cuda(const at::Tensor& grad_out, const at::Tenso
 TORCH_LIBRARY_FRAGMENT(xmc_bench, m) {  // the op's own schemas (schema.h), names prefixed with "rows_"
   for (const std::string schema : xmc_sparse::kSchemas)
     if (schema.rfind("squared_hinge", 0) != 0) m.def(("rows_" + schema).c_str());
-  m.def("use_rows_kernels(bool enable) -> ()", [](bool enable) { xmc_sparse::use_rows.store(enable); });
+  m.def("use_rows_kernels(int phases) -> ()", [](int64_t phases) {
+    TORCH_CHECK(phases >= 0 && phases <= 7, "use_rows_kernels: a mask of forward (1), backward_input (2) and "
+                "backward_weight (4), got ", phases);
+    xmc_sparse::rows_phases.store(static_cast<int>(phases));
+  });
 }
 
 TORCH_LIBRARY_IMPL(xmc_bench, CUDA, m) {

@@ -31,6 +31,9 @@ _DISPATCH_KEYS = {"cpu": "CPU", "cuda": "CUDA"}
 _BF16_INPUT_OPS = ("forward", "backward_weight")  # take bf16 x with float32 weights on compiled CUDA
 _FLOATS = (torch.float32, torch.float64)
 
+# The CUDA kernels' phases, in the order of their bits in xmc_bench::use_rows_kernels (uniform_sparse_common.cuh).
+ROWS_PHASES = ("forward", "backward_input", "backward_weight")
+
 _lock = threading.Lock()
 _backends: dict[str, str] | None = None
 _libraries: list[torch.library.Library] = []  # Python registrations live as long as these objects
@@ -132,15 +135,29 @@ def _backward(ctx, grad):
 # ---------------------------------------------------------------- registration
 
 
+def rows_phases(setting: str | None) -> tuple[str, ...]:
+    """The phases whose CUDA kernels `XMC_SPARSE_KERNELS` hands to the warp-per-label candidates
+    (cuda_ext/cuda/uniform_sparse_rows_kernels.cuh): `threads` (default) none, `rows` all three,
+    `rows:backward_input,forward` those named (returned in `ROWS_PHASES` order)."""
+    value = (setting or "").strip().lower() or "threads"
+    if value == "threads":
+        return ()
+    if value == "rows":
+        return ROWS_PHASES
+    named = {name.strip() for name in value[len("rows:"):].split(",")} if value.startswith("rows:") else None
+    if not named or not named <= set(ROWS_PHASES):
+        raise SparseInputError(f"XMC_SPARSE_KERNELS={setting!r} must be threads, rows, or rows:<phases> (a comma "
+                               f"list of {', '.join(ROWS_PHASES)})")
+    return tuple(phase for phase in ROWS_PHASES if phase in named)
+
+
 def _register() -> dict[str, str]:
     mode = os.environ.get("XMC_SPARSE_BACKEND", "auto").strip().lower() or "auto"
     if mode not in ("auto", "reference", "compiled"):
         raise SparseInputError(f"XMC_SPARSE_BACKEND={mode!r} must be one of auto, reference, compiled")
-    # Which CUDA kernels the op runs: its own (a thread per label) or the warp-per-label candidates
-    # (cuda_ext/cuda/uniform_sparse_rows_kernels.cuh), to measure those in training.
-    kernels = os.environ.get("XMC_SPARSE_KERNELS", "threads").strip().lower() or "threads"
-    if kernels not in ("threads", "rows"):
-        raise SparseInputError(f"XMC_SPARSE_KERNELS={kernels!r} must be threads or rows")
+    # Which CUDA kernels the op runs: its own (a thread per label), or in some phases the warp-per-label
+    # candidates, to measure those in training.
+    rows = rows_phases(os.environ.get("XMC_SPARSE_KERNELS"))
     compiled: set[str] = set()
     if mode != "reference":
         compiled, errors = build.load_compiled()
@@ -160,9 +177,9 @@ def _register() -> dict[str, str]:
     for device, key in _DISPATCH_KEYS.items():
         if device in compiled:
             backends[device] = f"compiled-{device}"
-            if device == "cuda" and kernels == "rows":
-                torch.ops.xmc_bench.use_rows_kernels(True)
-                backends[device] += "-rows"
+            if device == "cuda" and rows:
+                torch.ops.xmc_bench.use_rows_kernels(sum(1 << ROWS_PHASES.index(phase) for phase in rows))
+                backends[device] += "-rows" if rows == ROWS_PHASES else "-rows:" + ",".join(rows)
             continue
         for name, fn in _REFERENCE_KERNELS.items():
             lib.impl(name, fn, key)
@@ -193,8 +210,8 @@ def ensure_registered() -> dict[str, str]:
 
 def backend(device: str | torch.device | None = None) -> str:
     """Which implementation runs on ``device`` (default: cuda if available, else cpu):
-    ``"compiled-cuda"`` (``"compiled-cuda-rows"`` with ``XMC_SPARSE_KERNELS=rows``), ``"compiled-cpu"`` or
-    ``"reference"``."""
+    ``"compiled-cuda"`` (``"compiled-cuda-rows"`` with ``XMC_SPARSE_KERNELS=rows``, ``"compiled-cuda-rows:forward"``
+    with ``rows:forward``), ``"compiled-cpu"`` or ``"reference"``."""
     if device is None:
         device = "cuda" if torch.cuda.is_available() else "cpu"
     return ensure_registered().get(torch.device(device).type, "reference")
