@@ -29,6 +29,8 @@
 # the next. hydra and mlflow: carry .whl/ from ../shared/gpu/wheels.sh.
 # Records' git_commit: the lent machine's copy of the tree carries stale git metadata, so pass the commit sent,
 # spelled out here: XMC_GIT_COMMIT=<git rev-parse --short=12 HEAD> bash scripts/gpu_all.sh
+# The dense epoch takes about 2.5 minutes; DENSE_POINTS=50000 trains it on fewer points, enough for its step time
+# (the same in every phase of training) beside the uniform model's (step-times.md).
 # A shorter call: BUDGET_S=240 EPOCH_POINTS=100000 EPOCH_PRECISIONS=32-true TESTS="tests/test_step_graph.py ..." \
 #   bash scripts/gpu_all.sh
 set -uo pipefail
@@ -79,7 +81,7 @@ step model-rows 120 env XMC_SPARSE_KERNELS=rows python3 -m xmc_repro.bench --mod
 epoch() {  # epoch NAME MODEL PRECISION SECONDS [overrides...]: one epoch of the pipeline at Amazon-670K's shape
   local name=$1 model=$2 precision=$3 secs=$4; shift 4  # KERNELS=rows epoch ...: the warp-per-label kernels
   step "$name" "$secs" env XMC_SPARSE_KERNELS=${KERNELS:-threads} python3 -m xmc_repro dataset=synthetic_amazon670k \
-    dataset.num_train=${EPOCH_POINTS:-490449} \
+    dataset.num_train=${POINTS:-${EPOCH_POINTS:-490449}} \
     dataset.num_test=10000 trainer.max_epochs=1 trainer.precision=$precision trainer.progress_bar=false \
     trainer.train_eval_max_points=10000 table=gpu_check model=$model "$@"
 }
@@ -91,7 +93,7 @@ for precision in ${EPOCH_PRECISIONS:-32-true bf16-mixed}; do
   mixed=$(grep -oE "XMC_SPARSE_KERNELS=rows:[a-z_,]+" "$LOGS/layer.log" 2>/dev/null | head -1 | cut -d= -f2)
   [ -n "$mixed" ] && KERNELS=$mixed epoch epoch-mixed-32-true uniform 32-true 170 model.intermediate=32768
 done
-epoch epoch-dense-32-true dense 32-true 240
+POINTS=${DENSE_POINTS:-} epoch epoch-dense-32-true dense 32-true 240  # DENSE_POINTS=50000: its step time, sooner
 for d in checkpoints/*/; do  # the epochs' step profiles, named by run
   run=$(basename "$d")
   [ -f "$d/profile.txt" ] && cp "$d/profile.txt" "$LOGS/profile-$run.txt" && cp "$d/profile-trace.json.gz" "$LOGS/profile-trace-$run.json.gz"
