@@ -1,4 +1,13 @@
-"""The peak-memory breakdown replays allocator events: the right moment, the right blocks, grouped by site."""
+"""The peak-memory breakdown replays allocator events: the right moment, the right blocks, grouped by site. The
+cuBLAS workspace setting (trainer.cublas_workspace_mib) sizes what torch allocates for cuBLAS."""
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from xmc_repro import train
 from xmc_repro.memory_peak import allocation_site, live_at_peak
 
 MODEL = [{"name": "forward", "filename": "/x/xmc_repro/model.py", "line": 10}]
@@ -43,3 +52,45 @@ def test_site_names_the_innermost_frame_and_the_project_frame_that_led_there():
     assert allocation_site(WORKSPACE) == "at::cuda::getCUDABlasLtWorkspace() <- forward (model.py:10)"
     assert allocation_site(MODEL) == "forward (model.py:10)"
     assert allocation_site([]) == "?"
+
+
+def test_the_workspace_setting_writes_cublas_config_and_leaves_the_users_alone(monkeypatch):
+    monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
+    monkeypatch.setattr(train, "_written_workspace", None)
+    train.limit_cublas_workspace(8)
+    assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":8192:1"  # KiB, one buffer
+    train.limit_cublas_workspace(0.5)  # the next run of a sweep
+    assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":512:1"
+    train.limit_cublas_workspace(None)  # torch's default again
+    assert "CUBLAS_WORKSPACE_CONFIG" not in os.environ
+    monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # the user's, e.g. for deterministic cuBLAS
+    for mib in (8, None):
+        train.limit_cublas_workspace(mib)
+        assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":4096:8"
+
+
+WORKSPACE_PROBE = """
+import sys, torch
+from xmc_repro import train
+train.limit_cublas_workspace(None if sys.argv[1] == "null" else float(sys.argv[1]))
+a, b = torch.randn(32, 768, device="cuda"), torch.randn(768, 4096, device="cuda")
+before = torch.cuda.memory_allocated()
+out = a @ b
+print((torch.cuda.memory_allocated() - before - out.nbytes) / 2**20)  # what the matmul kept: its workspaces
+"""
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+def test_the_workspace_setting_sizes_what_cublas_keeps_allocated():
+    env = {k: v for k, v in os.environ.items() if k != "CUBLAS_WORKSPACE_CONFIG"}
+
+    def kept(setting):
+        out = subprocess.run([sys.executable, "-c", WORKSPACE_PROBE, setting], env=env, capture_output=True,
+                             text=True, timeout=300)
+        assert out.returncode == 0, out.stderr[-2000:]
+        return float(out.stdout.split()[-1])
+
+    default, small = kept("null"), kept("2")
+    assert 2 <= small <= 2 + 1.5  # the cuBLAS workspace, and cuBLASLt's own (1 MiB by default) where it has one
+    assert default >= 8 and default - small >= 6  # torch's: 32 MiB on Hopper, 8 MiB elsewhere

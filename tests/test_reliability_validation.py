@@ -49,6 +49,7 @@ REFUSED = {
     "rewire_every_n_steps_negative": (["dataset.rewire_every_n_steps=-1"], "dataset.rewire_every_n_steps=-1 must be"),
     "checkpoint_every_0": (["trainer.checkpoint_every_n_steps=0"], "trainer.checkpoint_every_n_steps=0 must be"),
     "profile_steps_0": (["trainer.profile_steps=0"], "trainer.profile_steps=0 must be"),
+    "cublas_workspace_0": (["trainer.cublas_workspace_mib=0"], "trainer.cublas_workspace_mib=0 must be a finite number > 0"),
     "step_window_0": (["callbacks.time.step_window=0"], "callbacks.time.step_window=0 must be a positive integer"),
     "memory_report_not_bool": (["trainer.memory_report=yes please"],
                                "trainer.memory_report='yes please' must be true or false"),

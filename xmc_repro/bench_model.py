@@ -384,9 +384,16 @@ def profile(shape: ModelShape, device, way: str, precision: str, steps: int, war
 
 def run(device, scale: float, steps: int, warmup: int, out: Path, profile_steps: int = 0,
         precisions: tuple[str, ...] = ("32-true",)) -> int:
-    from xmc_repro.bench import copy_bandwidth, machine_info, slug
+    from omegaconf import OmegaConf
 
+    from xmc_repro.bench import copy_bandwidth, machine_info, slug
+    from xmc_repro.resources import resource_dir
+    from xmc_repro.train import limit_cublas_workspace
+
+    # The pipeline's cuBLAS workspace, so that the peaks compare with its runs'.
+    limit_cublas_workspace(OmegaConf.load(resource_dir("conf") / "trainer" / "default.yaml").cublas_workspace_mib)
     info = machine_info(device, copy_bandwidth(device))
+    info["cublas_workspace_config"] = os.environ.get("CUBLAS_WORKSPACE_CONFIG", "torch's default")
     if device.type == "cpu" and hasattr(os, "getloadavg"):  # a shared CPU's timings depend on its other work
         info["load_average_1min"] = round(os.getloadavg()[0], 2)
     print(f"model step on {info.get('card', info['host_cpu'])}, scale {scale:g}", flush=True)

@@ -25,6 +25,7 @@ RESUMABLE_SETTINGS = (
     "trainer.checkpoint_every_n_steps",
     "trainer.profile_steps",
     "trainer.memory_report",
+    "trainer.cublas_workspace_mib",
 )
 LIVE_SECTIONS = ("resume", "logger", "hydra")  # always taken from the command line
 

@@ -9,6 +9,7 @@ continues the same run from it with the run's own settings (see `xmc_repro.resum
 from __future__ import annotations
 
 import functools
+import os
 from pathlib import Path
 
 import lightning.pytorch as pl
@@ -161,10 +162,34 @@ def open_run(cfg: DictConfig, run_id: str | None) -> RunTracker:
         ) from error
 
 
+_WORKSPACE = "CUBLAS_WORKSPACE_CONFIG"
+_written_workspace: str | None = None  # the value this process wrote: the next run of a sweep may change it
+
+
+def limit_cublas_workspace(mib: float | None) -> None:
+    """`trainer.cublas_workspace_mib`: the size of the workspace cuBLAS gets for each stream it runs on, through
+    `CUBLAS_WORKSPACE_CONFIG` (read by torch whenever it allocates one), unless the user set that variable.
+
+    torch gives Hopper GPUs 32 MiB, other GPUs 8 MiB, from the caching allocator, so it counts in the peak memory;
+    the pipeline's matmuls (a batch of 32 against at most a few hundred thousand columns) leave most of it unused.
+    """
+    global _written_workspace
+    current = os.environ.get(_WORKSPACE)
+    if current is not None and current != _written_workspace:
+        return  # the user's own
+    value = None if mib is None else f":{max(1, round(mib * 1024))}:1"  # :KiB:count
+    if value is None:
+        os.environ.pop(_WORKSPACE, None)
+    else:
+        os.environ[_WORKSPACE] = value
+    _written_workspace = value
+
+
 def run(cfg: DictConfig) -> dict:
     """Train and test one configuration (or continue one, `resume=`); returns the final metrics and run id."""
     cfg, resume_from, run_id = prepare(cfg, explicit_settings(), multirun=bool(sweep_tags()))
     validate(cfg)
+    limit_cublas_workspace(cfg.trainer.get("cublas_workspace_mib"))  # before the first matmul on a GPU
     if launch_rank() != 0:  # a further DDP rank: trains in step with rank 0, which alone records the run
         return _fit_and_test(cfg, None, CHECKPOINT_ROOT / "other-rank", resume_from, {})
     # One writer per run: a resumed run's lock is taken before its MLflow run is touched.

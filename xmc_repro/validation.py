@@ -115,6 +115,8 @@ def validate(cfg: DictConfig) -> None:
             raise ConfigError(f"{key}={OmegaConf.select(cfg, key)!r} must be true or false")
     _optional_positive(cfg, t + "checkpoint_every_n_steps", "or null for a checkpoint at every epoch end only")
     _optional_positive(cfg, t + "profile_steps", "or null for no profile")
+    if OmegaConf.select(cfg, t + "cublas_workspace_mib", default=None) is not None:
+        number(cfg, t + "cublas_workspace_mib", low=0, low_open=True, fix="in MiB, or null for torch's default")
     _optional_positive(cfg, "dataset.rewire_every_n_steps", "or null for no rewiring by steps")
     if OmegaConf.select(cfg, "callbacks.time") is not None:
         positive_int(OmegaConf.select(cfg, "callbacks.time.step_window", default=100), "callbacks.time.step_window",
