@@ -167,8 +167,9 @@ _written_workspace: str | None = None  # the value this process wrote: the next 
 
 
 def limit_cublas_workspace(mib: float | None) -> None:
-    """`trainer.cublas_workspace_mib`: the size of the workspace cuBLAS gets for each stream it runs on, through
-    `CUBLAS_WORKSPACE_CONFIG` (read by torch whenever it allocates one), unless the user set that variable.
+    """`trainer.cublas_workspace_mib`: the size of the workspace cuBLAS gets for each thread and stream it runs on
+    (a training step has two: the forward's and autograd's), through `CUBLAS_WORKSPACE_CONFIG` (read by torch
+    whenever it allocates one), unless the user set that variable.
 
     torch gives Hopper GPUs 32 MiB, other GPUs 8 MiB, from the caching allocator, so it counts in the peak memory;
     the pipeline's matmuls (a batch of 32 against at most a few hundred thousand columns) leave most of it unused.
