@@ -12,6 +12,7 @@ import torch
 from conftest import TINY, generator, label_lists, quiet_trainer
 
 from xmc_repro.data import build_datamodule
+from xmc_repro.data.labels import flat_keys
 from xmc_repro.losses import bce_loss, positive_positions, squared_hinge_loss
 from xmc_repro.model import XMCClassifier
 from xmc_repro.step_graph import StepGraph, capacity_for, loss_from_positions, padded_positions, unsupported_reason
@@ -38,6 +39,9 @@ def test_positions_from_the_fixed_buffers_are_the_sorted_list_padded_with_its_la
     capacity = idx.numel() + int(torch.randint(0, 9, (1,), generator=gen))
     got = padded_positions(ptr[1:].clone(), _buffer(idx, capacity), labels)
     assert got.tolist() == want.tolist() + [want[-1].item()] * (capacity - idx.numel())
+    in_order = flat_keys(ptr, idx, labels)  # the squared hinge's form: list order, padded with -1
+    got = padded_positions(ptr[1:].clone(), _buffer(idx, capacity), labels, sort=False)
+    assert got.tolist() == in_order.tolist() + [-1] * (capacity - idx.numel())
 
 
 @pytest.mark.parametrize("count,capacity", [(1, 256), (256, 256), (257, 512), (5000, 8192)])
@@ -54,8 +58,11 @@ def test_both_losses_have_a_positive_list_form_that_matches(loss):
     fn = {"squared_hinge": squared_hinge_loss, "bce": bce_loss}[loss]
     want = fn(scores, ptr, idx)
     (want_grad,) = torch.autograd.grad(want, scores)
-    padded = padded_positions(ptr[1:].clone(), _buffer(idx, capacity_for(idx.numel())), 11)
-    got = loss_from_positions(fn)(scores, padded)
+    form = loss_from_positions(fn)
+    assert getattr(form, "any_order", False) == (loss == "squared_hinge")  # as the graph will call it
+    padded = padded_positions(ptr[1:].clone(), _buffer(idx, capacity_for(idx.numel())), 11,
+                              sort=not getattr(form, "any_order", False))
+    got = form(scores, padded)
     (got_grad,) = torch.autograd.grad(got, scores)
     torch.testing.assert_close(got, want)
     torch.testing.assert_close(got_grad, want_grad)

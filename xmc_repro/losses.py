@@ -130,8 +130,10 @@ def bce_loss(scores: torch.Tensor, label_ptr: torch.Tensor, label_idx: torch.Ten
     return bce_from_positions(scores, positive_positions(label_ptr, label_idx, scores.shape[1], scores.device))
 
 
-# The form a CUDA-graph step calls with a fixed-size list (xmc_repro.step_graph: sorted, padded with repeats).
+# The form a CUDA-graph step calls with a fixed-size list (xmc_repro.step_graph): the squared hinge's in any
+# order, padded with -1 (no sort in the step); BCE's sorted, padded with repeats of the last.
 squared_hinge_loss.from_positions = squared_hinge_from_positions
+squared_hinge_from_positions.any_order = True
 bce_loss.from_positions = bce_from_positions
 
 

@@ -4,8 +4,9 @@ At batch 32 the uniform model's step is a few dozen small kernels; issued one by
 is slower than the device. Captured once, a step is one graph launch. What stays outside the graph:
 
 * nothing of the batch but its copy into fixed buffers: the inputs, the label lists' row ends and the labels, in
-  a buffer of fixed capacity. The graph turns them into the sorted positive positions, padded with repeats of the
-  last one (both losses count a repeated position once), so a step costs the host four calls;
+  a buffer of fixed capacity. The graph turns them into the positive positions: for the squared hinge in list
+  order, padded with -1; for BCE sorted, padded with repeats of the last one (both count a repeated position
+  once). So a step costs the host four calls;
 * the optimizer: fused Adam is one kernel per parameter group, and outside the graph its state can be
   replaced (a checkpoint load), reset (rewiring) and its learning rate changed as usual;
 * rewiring: it writes the connection indices and weights in place, which the graph reads on its next replay.
@@ -16,10 +17,11 @@ replay (Lightning sets them to None between the training step and backward). A b
 graph (``model.to``) makes the next step recapture. ``release`` frees the graph's memory (the model calls it
 before validation, so evaluation runs without the step's gradients held).
 
-cuBLAS keeps a workspace (65 MiB on an H100) for every stream it has run on. The capture runs on a side stream
-and evaluation on the current one, so both would keep one for the whole run, 65 MiB above the eager step's peak.
-Capture and release therefore drop cuBLAS's workspaces (as torch.compile's CUDA graphs do) when no graph is
-alive: the step holds the side stream's, evaluation the current stream's, never both.
+cuBLAS keeps a workspace for every thread and stream it has run on (a step: two per stream, the forward's and
+autograd's; 65 MiB per stream on an H100 at torch's sizes, 18 MiB at ``trainer.cublas_workspace_mib=8``). The
+capture runs on a side stream and evaluation on the current one, so both would keep theirs for the whole run,
+above the eager step's peak. Capture and release therefore drop cuBLAS's workspaces (as torch.compile's CUDA
+graphs do) when no graph is alive: the step holds the side stream's, evaluation the current stream's, never both.
 """
 from __future__ import annotations
 
@@ -66,8 +68,9 @@ def unsupported_reason(model, precision: str = "32-true", world_size: int = 1) -
     return None
 
 
-def padded_positions(ends: torch.Tensor, labels: torch.Tensor, num_labels: int) -> torch.Tensor:
-    """The sorted flat positions ``row * num_labels + label`` of CSR label lists, padded with the last one.
+def padded_positions(ends: torch.Tensor, labels: torch.Tensor, num_labels: int, sort: bool = True) -> torch.Tensor:
+    """The flat positions ``row * num_labels + label`` of CSR label lists: sorted and padded with the last one, or
+    with ``sort=False`` in list order and padded with -1 (for a loss that takes them so: no sort on the device).
 
     ``ends[i]`` is where row i's labels end (``label_ptr[1:]``); ``labels`` is a buffer whose first ``ends[-1]``
     entries are the listed labels (the rest is ignored). The result has ``labels``' length. Every shape is fixed
@@ -76,6 +79,8 @@ def padded_positions(ends: torch.Tensor, labels: torch.Tensor, num_labels: int) 
     slots = torch.arange(labels.numel(), device=labels.device)
     listed = slots < ends[-1]
     rows = torch.searchsorted(ends, slots, right=True)  # the row whose labels hold each slot
+    if not sort:
+        return torch.where(listed, rows * num_labels + labels, -1)
     keys = torch.where(listed, rows * num_labels + labels, torch.iinfo(torch.long).max)
     keys = torch.sort(keys).values  # the listed positions first, sorted
     last = keys.gather(0, (ends[-1:] - 1).clamp(min=0))
@@ -90,7 +95,8 @@ def capacity_for(count: int) -> int:
 class StepGraph:
     """Forward, loss and backward of ``model`` on one batch, captured once and replayed per step.
 
-    ``loss_from_positions(scores, positives)`` is the loss given sorted flat positive positions (repeats allowed).
+    ``loss_from_positions(scores, positives)`` is the loss given sorted flat positive positions (repeats allowed),
+    or, if it has ``any_order = True``, given them in any order with -1 as padding.
     """
 
     def __init__(self, model, loss_from_positions, num_labels: int):
@@ -114,7 +120,8 @@ class StepGraph:
         # so the step casts afresh inside the graph (cache off).
         with torch.autocast("cuda", dtype=self._autocast or torch.bfloat16, enabled=self._autocast is not None,
                             cache_enabled=False):
-            positives = padded_positions(self.static_ends, self.static_labels, self.num_labels)
+            positives = padded_positions(self.static_ends, self.static_labels, self.num_labels,
+                                         sort=not getattr(self.loss_from_positions, "any_order", False))
             # No name holds the scores (batch x labels, 82 MiB at 670k labels): a loss that does not save them for
             # its backward frees them before backward, as the eager step does, so capture peaks as low.
             loss = self.loss_from_positions(self.model.head(self.model.encoder(self.static_x)), positives)
