@@ -178,12 +178,11 @@ def limit_cublas_workspace(mib: float | None) -> None:
     current = os.environ.get(_WORKSPACE)
     if current is not None and current != _written_workspace:
         return  # the user's own
-    value = None if mib is None else f":{max(1, round(mib * 1024))}:1"  # :KiB:count
-    if value is None:
+    if mib is None:
         os.environ.pop(_WORKSPACE, None)
+        _written_workspace = None
     else:
-        os.environ[_WORKSPACE] = value
-    _written_workspace = value
+        _written_workspace = os.environ[_WORKSPACE] = f":{max(1, round(mib * 1024))}:1"  # :KiB:count
 
 
 def run(cfg: DictConfig) -> dict:
