@@ -94,7 +94,7 @@ x = torch.randn(33, 70, generator=g).cuda().requires_grad_()
 idx = torch.randint(70, (33, 95), generator=g, dtype=torch.int32).cuda()
 w = torch.randn(33, 95, generator=g).cuda().requires_grad_()
 grad = torch.randn(33, 95, generator=g).cuda()
-with profile(activities=[ProfilerActivity.CUDA]) as prof:
+with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
     uniform_sparse_linear(x, idx, w).backward(grad)
     torch.cuda.synchronize()
 torch.testing.assert_close(x.grad, reference.backward_input(grad, idx, w.detach(), 70))
