@@ -16,9 +16,9 @@
 #    of EPOCH_PRECISIONS (default "32-true bf16-mixed"), with a profile of 20 of its steps (trainer.profile_steps:
 #    where the real loop leaves the GPU idle), after the 32-true one the same with the warp-per-label kernels
 #    (epoch-rows-32-true) and, where the layer benchmark found the candidates faster in some phases only, with
-#    those phases on them (epoch-mixed-32-true, XMC_SPARSE_KERNELS=rows:<phases>); the step's wall time over each epoch, by quarter (step-times.md, scripts/step_times.py:
-#    early steps are slower); then the dense model's epoch at 32-true (the epoch's dense/uniform ratio; about 2.5
-#    minutes),
+#    those phases on them (epoch-mixed-32-true, XMC_SPARSE_KERNELS=rows:<phases>); then the dense model's epoch at
+#    32-true (the dense/uniform ratio; about 2.5 minutes); the step's wall time over each epoch, by quarter
+#    (step-times.md, scripts/step_times.py: early steps are slower),
 # 7. with BIBTEX=1: Bibtex through the pipeline, seed 0, float32, bf16-mixed and float32 with the warp-per-label
 #    kernels (P@k against the CPU runs; measured on an H200 at 17de686, README), if its files are carried
 #    in .gpu_data/Bibtex (XMC_SHARED_DATA): mkdir -p .gpu_data/Bibtex && cp ../shared/data/Bibtex/*_xc.txt
