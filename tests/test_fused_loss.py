@@ -178,6 +178,20 @@ def test_backward_keeps_only_the_gradient_and_scales_it_by_grad_out():
     torch.testing.assert_close(got, -2.5 * dense(scores, positives)[1])
 
 
+def test_as_the_root_of_backward_the_gradient_is_used_as_computed_without_a_scaling_pass():
+    """root=True (the graph step): loss.backward() gets the same gradient, with no multiply by the incoming 1; so a
+    scaled upstream gradient is ignored, which is the promise the caller makes."""
+    scores, _ = case(4, 10, torch.float64)
+    _, _, positives = csr(4, 10, seed=3)
+    want = dense(scores, positives)[1]
+    leaf = scores.clone().requires_grad_()
+    squared_hinge_from_positions(leaf, positives, root=True).backward()
+    torch.testing.assert_close(leaf.grad, want)
+    leaf.grad = None
+    (2 * squared_hinge_from_positions(leaf, positives, root=True)).backward()  # the promise broken: not scaled
+    torch.testing.assert_close(leaf.grad, want)
+
+
 def test_second_backward_through_a_retained_graph_fails_instead_of_scaling_twice():
     leaf = torch.randn(3, 4, requires_grad=True)
     loss = squared_hinge_from_positions(leaf, torch.tensor([1, 5]))

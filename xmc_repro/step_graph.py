@@ -96,7 +96,8 @@ class StepGraph:
     """Forward, loss and backward of ``model`` on one batch, captured once and replayed per step.
 
     ``loss_from_positions(scores, positives)`` is the loss given sorted flat positive positions (repeats allowed),
-    or, if it has ``any_order = True``, given them in any order with -1 as padding.
+    or, if it has ``any_order = True``, given them in any order with -1 as padding; if it has ``takes_root = True``
+    it is called with ``root=True`` (backward starts at the loss it returns).
     """
 
     def __init__(self, model, loss_from_positions, num_labels: int):
@@ -120,11 +121,13 @@ class StepGraph:
         # so the step casts afresh inside the graph (cache off).
         with torch.autocast("cuda", dtype=self._autocast or torch.bfloat16, enabled=self._autocast is not None,
                             cache_enabled=False):
+            form = self.loss_from_positions
             positives = padded_positions(self.static_ends, self.static_labels, self.num_labels,
-                                         sort=not getattr(self.loss_from_positions, "any_order", False))
+                                         sort=not getattr(form, "any_order", False))
+            root = {"root": True} if getattr(form, "takes_root", False) else {}  # backward starts at this loss
             # No name holds the scores (batch x labels, 82 MiB at 670k labels): a loss that does not save them for
             # its backward frees them before backward, as the eager step does, so capture peaks as low.
-            loss = self.loss_from_positions(self.model.head(self.model.encoder(self.static_x)), positives)
+            loss = form(self.model.head(self.model.encoder(self.static_x)), positives, **root)
         loss.backward()
         return loss.detach()
 
