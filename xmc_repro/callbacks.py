@@ -124,7 +124,7 @@ class EpochTime(pl.Callback):
 
     Steps are timed over windows of `step_window` batches of one epoch, between two device syncs (one per window, so
     the GPU's queued work counts where it runs): a window includes its steps' callbacks (a rewiring, a checkpoint),
-    never validation. Each window's mean is logged as `train/ms_per_step` at its last step (a curve over training:
+    never validation, nor the logging of the previous window's time. Each window's mean is logged as `train/ms_per_step` at its last step (a curve over training:
     early steps, whose squared-hinge gradients are dense, are slower); `step_ms_median` is the median over the fit's
     windows, which a rewiring inside a window does not move.
     """
@@ -153,14 +153,13 @@ class EpochTime(pl.Callback):
             return
         if pl_module.device.type == "cuda":
             torch.cuda.synchronize(pl_module.device)
-        now = time.perf_counter()
         if self._window is not None:
-            ms = (now - self._window[0]) * 1000 / (batch_idx - self._window[1])
+            ms = (time.perf_counter() - self._window[0]) * 1000 / (batch_idx - self._window[1])
             self.step_ms.append(ms)
             self.epoch_step_ms.append(ms)
             for logger in trainer.loggers:
                 logger.log_metrics({"train/ms_per_step": ms}, step=trainer.global_step)
-        self._window = (now, batch_idx)
+        self._window = (time.perf_counter(), batch_idx)  # after the logging (a store write): no window counts it
 
     def on_train_epoch_end(self, trainer, pl_module):
         pl_module.log("epoch_time_s", time.perf_counter() - self._epoch_start, rank_zero_only=True)
