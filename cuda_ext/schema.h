@@ -8,7 +8,7 @@ namespace xmc_sparse {
 inline constexpr const char* kSchemas[] = {
     "forward(Tensor x, Tensor indices, Tensor weight, Tensor? bias) -> Tensor",
     "backward_input(Tensor grad_out, Tensor indices, Tensor weight, SymInt in_features) -> Tensor",
-    "backward_weight(Tensor grad_out, Tensor x, Tensor indices) -> Tensor",
+    "backward_weight(Tensor grad_out, Tensor x, Tensor indices) -> (Tensor, Tensor)",
     "squared_hinge(Tensor scores, Tensor positives) -> (Tensor, Tensor)",
 };
 

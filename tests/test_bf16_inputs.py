@@ -60,4 +60,6 @@ def test_autocast_keeps_bf16_inputs_and_gradients_flow():
     h32 = h.detach().float().requires_grad_()
     want = reference.forward(h32, idx, w, b)
     torch.testing.assert_close(out.detach(), want, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(wp.grad, reference.backward_weight(g, h32.detach(), idx), rtol=1e-5, atol=1e-5)
+    grad_w, grad_b = reference.backward_weight(g, h32.detach(), idx)
+    torch.testing.assert_close(wp.grad, grad_w, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(bp.grad, grad_b)

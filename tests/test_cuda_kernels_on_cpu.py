@@ -46,16 +46,16 @@ def _run(binary, mode, parts, dtype, tmp_path) -> torch.Tensor:
 
 @pytest.fixture
 def emulated(binary, tmp_path):
-    """The uniform op's three kernels of one family on one problem: (scores, grad_x, grad_w)."""
+    """The uniform op's three kernels of one family on one problem: (scores, grad_x, (grad_w, grad_b))."""
     def run(family, x, idx, w, b, g):
         batch, inputs = x.shape
         conn, labels = idx.shape
         header = np.array([X_KINDS[x.dtype], batch, inputs, labels, conn, b is not None], dtype=np.int64)
         raw_x = x.view(torch.int16) if x.dtype == torch.bfloat16 else x
         parts = [header, raw_x.numpy(), idx.numpy(), w.numpy(), *([b.numpy()] if b is not None else []), g.numpy()]
-        scores, grad_x, grad_w = _run(binary, family, parts, w.dtype, tmp_path).split(
-            [batch * labels, batch * inputs, conn * labels])
-        return scores.view(batch, labels), grad_x.view(batch, inputs), grad_w.view(conn, labels)
+        scores, grad_x, grad_w, grad_b = _run(binary, family, parts, w.dtype, tmp_path).split(
+            [batch * labels, batch * inputs, conn * labels, labels])
+        return scores.view(batch, labels), grad_x.view(batch, inputs), (grad_w.view(conn, labels), grad_b)
 
     return run
 
@@ -72,19 +72,19 @@ def emulated(binary, tmp_path):
 @pytest.mark.parametrize("family", ["threads", "rows"])
 def test_kernel_source_matches_the_reference(emulated, family, shape, density, dtype):
     x, idx, w, b, g = sparse_layer_problem(*shape, density, dtype, seed=sum(shape))
-    scores, grad_x, grad_w = emulated(family, x, idx, w, b, g)
+    scores, grad_x, grad_wb = emulated(family, x, idx, w, b, g)
     torch.testing.assert_close(scores, reference.forward(x, idx, w, b))
     torch.testing.assert_close(grad_x, reference.backward_input(g, idx, w, shape[1]))
-    torch.testing.assert_close(grad_w, reference.backward_weight(g, x, idx))
+    torch.testing.assert_close(grad_wb, reference.backward_weight(g, x, idx))  # weights and bias
 
 
 @pytest.mark.parametrize("family", ["threads", "rows"])
 def test_kernel_source_gathers_bf16_inputs_as_their_float32_values(emulated, family):
     x, idx, w, b, g = sparse_layer_problem(9, 50, 40, 6, 0.3, torch.float32, seed=5)
     xb = x.bfloat16()
-    scores, _, grad_w = emulated(family, xb, idx, w, None, g)
+    scores, _, grad_wb = emulated(family, xb, idx, w, None, g)
     torch.testing.assert_close(scores, reference.forward(xb.float(), idx, w), rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(grad_w, reference.backward_weight(g, xb.float(), idx), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(grad_wb, reference.backward_weight(g, xb.float(), idx), rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["f32", "f64"])

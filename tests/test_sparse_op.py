@@ -75,7 +75,7 @@ def test_reference_matches_dense(device):
     # weight gradient = dense gradient sampled at each slot (duplicate slots get the same value)
     dense_gw = grad.T @ x
     expect = dense_gw[torch.arange(300, device=device).expand(7, -1), idx.long()]
-    torch.testing.assert_close(ref.backward_weight(grad, x, idx), expect)
+    torch.testing.assert_close(ref.backward_weight(grad, x, idx), (expect, grad.sum(0)))
 
 
 def test_hand_computed_example():
@@ -87,7 +87,9 @@ def test_hand_computed_example():
     torch.testing.assert_close(OPS.forward(x, idx, w, b), torch.tensor([[-1.0, 8.0], [-6.0, 1.0]]))
     g = torch.tensor([[1.0, 0.0], [0.0, 2.0]])
     torch.testing.assert_close(OPS.backward_input(g, idx, w, 3), torch.tensor([[2.0, 0.0, -1.0], [0.0, 7.0, 0.0]]))
-    torch.testing.assert_close(OPS.backward_weight(g, x, idx), torch.tensor([[1.0, 0.0], [3.0, 0.0]]))
+    grad_w, grad_b = OPS.backward_weight(g, x, idx)
+    torch.testing.assert_close(grad_w, torch.tensor([[1.0, 0.0], [3.0, 0.0]]))
+    torch.testing.assert_close(grad_b, torch.tensor([1.0, 2.0]))
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -133,11 +135,13 @@ def test_mostly_zero_gradients_equal_dense_path(device):
     torch.testing.assert_close(OPS.backward_input(grad, idx, w, in_features), grad @ dense)
     dense_gw = grad.T @ x
     expect = dense_gw[torch.arange(labels, device=device).expand(conn, -1), idx.long()]
-    torch.testing.assert_close(OPS.backward_weight(grad, x, idx), expect)
-    # labels with an all-zero gradient column get exactly zero weight gradient
+    grad_w, grad_b = OPS.backward_weight(grad, x, idx)
+    torch.testing.assert_close(grad_w, expect)
+    torch.testing.assert_close(grad_b, grad.sum(0))
+    # labels with an all-zero gradient column get exactly zero weight and bias gradients
     zero_cols = (grad == 0).all(0)
     assert zero_cols.any()
-    assert (OPS.backward_weight(grad, x, idx)[:, zero_cols] == 0).all()
+    assert (grad_w[:, zero_cols] == 0).all() and (grad_b[zero_cols] == 0).all()
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -6,6 +6,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <tuple>
 #include <vector>
 
 #include "../checks.h"
@@ -94,8 +95,9 @@ void backward_input_cpu_kernel(const T* g, const int32_t* idx, const T* w, T* gx
 // Backward to the weights: per tile, gather the tile's gradient as (tile, padded batch); a label
 // whose gradient column is all zero gets zeros without loading any index or input, and batch
 // chunks in which a label's gradient is zero are skipped. Chunk-outer order keeps xc's chunk in L2.
+// The bias gradient gb[j] (the column's sum) comes from the gathered columns.
 template <typename T>
-void backward_weight_cpu_kernel(const T* g, const T* xc, const int32_t* idx, T* gw, int64_t batch, int64_t bc,
+void backward_weight_cpu_kernel(const T* g, const T* xc, const int32_t* idx, T* gw, T* gb, int64_t batch, int64_t bc,
                                 int64_t in_features, int64_t conn, int64_t labels) {
   const int64_t tiles = (labels + kTile - 1) / kTile;
   const int64_t chunks = (batch + bc - 1) / bc, bpad = chunks * bc;
@@ -106,6 +108,11 @@ void backward_weight_cpu_kernel(const T* g, const T* xc, const int32_t* idx, T* 
       const int64_t j0 = t * kTile, n = std::min(kTile, labels - j0);
       for (int64_t b = 0; b < batch; ++b)
         for (int64_t jj = 0; jj < n; ++jj) gt[jj * bpad + b] = g[b * labels + j0 + jj];
+      for (int64_t jj = 0; jj < n; ++jj) {
+        T sum = 0;
+        for (int64_t b = 0; b < batch; ++b) sum += gt[jj * bpad + b];
+        gb[j0 + jj] = sum;
+      }
       std::fill_n(acc.begin(), n * conn, T(0));
       for (int64_t c = 0; c < chunks; ++c) {
         const T* xt = xc + c * in_features * bc;
@@ -161,20 +168,22 @@ at::Tensor backward_input_cpu(const at::Tensor& grad_out, const at::Tensor& indi
   return grad_x;
 }
 
-at::Tensor backward_weight_cpu(const at::Tensor& grad_out, const at::Tensor& x, const at::Tensor& indices) {
+std::tuple<at::Tensor, at::Tensor> backward_weight_cpu(const at::Tensor& grad_out, const at::Tensor& x,
+                                                       const at::Tensor& indices) {
   check_backward_weight(grad_out, x, indices);
   TORCH_CHECK(x.scalar_type() != at::kBFloat16, "bf16 inputs are gathered by the CUDA kernels only; call x.float()");
   const int64_t batch = grad_out.size(0), conn = indices.size(0), labels = indices.size(1);
   auto grad_w = grad_out.new_empty({conn, labels});
-  if (batch == 0) return grad_w.zero_();
+  auto grad_b = grad_out.new_empty({labels});
+  if (batch == 0) return {grad_w.zero_(), grad_b.zero_()};
   const int64_t bc = batch_chunk(batch, x.size(1));
   const auto xc = chunked_transpose(x, bc);
   AT_DISPATCH_FLOATING_TYPES(grad_out.scalar_type(), "uniform_sparse_backward_weight_cpu", [&] {
     backward_weight_cpu_kernel<scalar_t>(grad_out.const_data_ptr<scalar_t>(), xc.const_data_ptr<scalar_t>(),
                                          indices.const_data_ptr<int32_t>(), grad_w.mutable_data_ptr<scalar_t>(),
-                                         batch, bc, x.size(1), conn, labels);
+                                         grad_b.mutable_data_ptr<scalar_t>(), batch, bc, x.size(1), conn, labels);
   });
-  return grad_w;
+  return {grad_w, grad_b};
 }
 
 }  // namespace

@@ -7,6 +7,7 @@
 
 #include <cstdint>
 #include <optional>
+#include <tuple>
 #include <type_traits>
 
 namespace xmc_sparse {
@@ -51,6 +52,7 @@ at::Tensor rows_forward_cuda(const at::Tensor& x, const at::Tensor& indices, con
                              const std::optional<at::Tensor>& bias);
 at::Tensor rows_backward_input_cuda(const at::Tensor& grad_out, const at::Tensor& indices, const at::Tensor& weight,
                                     int64_t in_features);
-at::Tensor rows_backward_weight_cuda(const at::Tensor& grad_out, const at::Tensor& x, const at::Tensor& indices);
+std::tuple<at::Tensor, at::Tensor> rows_backward_weight_cuda(const at::Tensor& grad_out, const at::Tensor& x,
+                                                             const at::Tensor& indices);
 
 }  // namespace xmc_sparse

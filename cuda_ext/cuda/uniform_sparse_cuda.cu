@@ -64,13 +64,15 @@ at::Tensor backward_input_cuda(const at::Tensor& grad_out, const at::Tensor& ind
   return gxt.narrow(1, 0, batch).t().contiguous();
 }
 
-at::Tensor backward_weight_cuda(const at::Tensor& grad_out, const at::Tensor& x, const at::Tensor& indices) {
+std::tuple<at::Tensor, at::Tensor> backward_weight_cuda(const at::Tensor& grad_out, const at::Tensor& x,
+                                                        const at::Tensor& indices) {
   if (rows_kernels(kRowsBackwardWeight)) return rows_backward_weight_cuda(grad_out, x, indices);
   check_backward_weight(grad_out, x, indices);
   const c10::cuda::CUDAGuard guard(grad_out.device());
   const int64_t batch = grad_out.size(0), conn = indices.size(0), labels = indices.size(1);
   auto grad_w = grad_out.new_empty({conn, labels});
-  if (batch == 0) return grad_w.zero_();
+  auto grad_b = grad_out.new_empty({labels});
+  if (batch == 0) return {grad_w.zero_(), grad_b.zero_()};
   const int v = pick_v(batch);
   const int64_t bpad = padded(batch, v);
   const auto xt = transpose_padded(x, bpad);
@@ -81,11 +83,11 @@ at::Tensor backward_weight_cuda(const at::Tensor& grad_out, const at::Tensor& x,
     with_v(v, [&](auto vc) {
       backward_weight_kernel<T, TX, decltype(vc)::value><<<blocks_for(labels), kThreads, 0, stream>>>(
           grad_out.const_data_ptr<T>(), data_as<TX>(xt), indices.const_data_ptr<int32_t>(),
-          grad_w.mutable_data_ptr<T>(), batch, bpad, conn, labels);
+          grad_w.mutable_data_ptr<T>(), grad_b.mutable_data_ptr<T>(), batch, bpad, conn, labels);
       C10_CUDA_KERNEL_LAUNCH_CHECK();
     });
   });
-  return grad_w;
+  return {grad_w, grad_b};
 }
 
 }  // namespace

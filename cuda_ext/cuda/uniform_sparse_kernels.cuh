@@ -138,19 +138,23 @@ __global__ void __launch_bounds__(kThreads) backward_input_kernel(
   }
 }
 
-// grad_w[k, j] = sum_b grad_out[b, j] * xt[indices[k, j], b]. A label whose gradient column is all
-// zero writes zeros without loading indices or inputs; zero 4-row groups skip their input loads.
+// grad_w[k, j] = sum_b grad_out[b, j] * xt[indices[k, j], b], and the bias gradient gb[j] = sum_b grad_out[b, j]
+// from the same loads. A label whose gradient column is all zero writes zeros without loading indices or
+// inputs; zero 4-row groups skip their input loads.
 template <typename T, typename TX, int V>
 __global__ void __launch_bounds__(kThreads) backward_weight_kernel(
     const T* __restrict__ g, const TX* __restrict__ xt, const int32_t* __restrict__ idx, T* __restrict__ gw,
-    int batch, int bpad, int conn, int labels) {
+    T* __restrict__ gb, int batch, int bpad, int conn, int labels) {
   const int j = blockIdx.x * kThreads + threadIdx.x;
   if (j >= labels) return;
   bool written = false;
+  T bias_sum = T(0);
   for (int c0 = 0; c0 < batch; c0 += 4 * V) {
     T gv[4 * V];
     const unsigned mask = load_grad<T, V>(g, labels, j, c0, batch, gv);
     if (!mask) continue;
+#pragma unroll
+    for (int i = 0; i < 4 * V; ++i) bias_sum += gv[i];  // zero beyond the batch
     for (int k = 0; k < conn; ++k) {
       const int64_t at = static_cast<int64_t>(k) * labels + j;
       const TX* xr = xt + static_cast<int64_t>(__ldg(idx + at)) * bpad + c0;
@@ -167,6 +171,7 @@ __global__ void __launch_bounds__(kThreads) backward_weight_kernel(
     }
     written = true;
   }
+  gb[j] = bias_sum;
   if (!written)
     for (int k = 0; k < conn; ++k) gw[static_cast<int64_t>(k) * labels + j] = T(0);
 }

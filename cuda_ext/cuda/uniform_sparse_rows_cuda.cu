@@ -63,12 +63,14 @@ at::Tensor rows_backward_input_cuda(const at::Tensor& grad_out, const at::Tensor
   return gxt.narrow(1, 0, batch).t().contiguous();
 }
 
-at::Tensor rows_backward_weight_cuda(const at::Tensor& grad_out, const at::Tensor& x, const at::Tensor& indices) {
+std::tuple<at::Tensor, at::Tensor> rows_backward_weight_cuda(const at::Tensor& grad_out, const at::Tensor& x,
+                                                             const at::Tensor& indices) {
   check_backward_weight(grad_out, x, indices);
   const c10::cuda::CUDAGuard guard(grad_out.device());
   const int64_t batch = grad_out.size(0), conn = indices.size(0), labels = indices.size(1);
   auto grad_w = grad_out.new_empty({conn, labels});
-  if (batch == 0 || labels == 0) return grad_w.zero_();
+  if (batch == 0 || labels == 0 || conn == 0) return {grad_w.zero_(), grad_out.sum(0)};
+  auto grad_b = grad_out.new_empty({labels});
   const int64_t bpad = rows::row_pad(batch);
   const auto xt = transpose_padded(x, bpad);
   with_types(x, grad_out, [&](auto t, auto tx) {
@@ -76,10 +78,10 @@ at::Tensor rows_backward_weight_cuda(const at::Tensor& grad_out, const at::Tenso
     using TX = decltype(tx);
     rows::backward_weight_kernel<T, TX><<<rows::tiles(labels), rows::kThreads, 0, c10::cuda::getCurrentCUDAStream()>>>(
         grad_out.const_data_ptr<T>(), data_as<TX>(xt), indices.const_data_ptr<int32_t>(),
-        grad_w.mutable_data_ptr<T>(), batch, bpad, conn, labels);
+        grad_w.mutable_data_ptr<T>(), grad_b.mutable_data_ptr<T>(), batch, bpad, conn, labels);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   });
-  return grad_w;
+  return {grad_w, grad_b};
 }
 
 }  // namespace xmc_sparse

@@ -135,11 +135,13 @@ __device__ __forceinline__ void transpose_sum(T (&v)[kWarp]) {
 }
 
 // grad_w[k, j] = sum_b grad_out[b, j] * xt[indices[k, j], b]: lane b forms its products for 32
-// connections of a label, one transposing reduction leaves connection k's sum on lane k.
+// connections of a label, one transposing reduction leaves connection k's sum on lane k. The bias
+// gradient gb[j] = sum_b grad_out[b, j] is summed from the first connection tile's gradient tiles
+// (conn >= 1: the host sums it otherwise).
 template <typename T, typename TX>
 __global__ void __launch_bounds__(kThreads) backward_weight_kernel(
     const T* __restrict__ g, const TX* __restrict__ xt, const int32_t* __restrict__ idx, T* __restrict__ gw,
-    int batch, int bpad, int conn, int labels) {
+    T* __restrict__ gb, int batch, int bpad, int conn, int labels) {
   __shared__ int32_t s_idx[kWarp][kTile];
   __shared__ T s_g[kWarp][kTile + 1];
   __shared__ T s_gw[kWarp][kTile + 1];
@@ -149,10 +151,13 @@ __global__ void __launch_bounds__(kThreads) backward_weight_kernel(
     stage_tile(idx, conn, labels, k0, j0, s_idx);
     const int kn = min(kWarp, conn - k0);
     T sums[kLabelsPerWarp] = {};  // lane k: connection k0 + k of each of the warp's labels
+    T bias_sum = T(0);            // thread t < kTile: label j0 + t, while k0 == 0
     for (int c0 = 0; c0 < batch; c0 += kWarp) {
       __syncthreads();
       stage_tile(g, batch, labels, c0, j0, s_g);
       __syncthreads();
+      if (k0 == 0 && threadIdx.x < kTile)
+        for (int r = 0; r < kWarp; ++r) bias_sum += s_g[r][threadIdx.x];  // zero beyond the batch
 #pragma unroll
       for (int i = 0; i < kLabelsPerWarp; ++i) {
         const int l = warp * kLabelsPerWarp + i;
@@ -167,6 +172,7 @@ __global__ void __launch_bounds__(kThreads) backward_weight_kernel(
         sums[i] += prod[0];
       }
     }
+    if (k0 == 0 && threadIdx.x < kTile && j0 + threadIdx.x < labels) gb[j0 + threadIdx.x] = bias_sum;
 #pragma unroll
     for (int i = 0; i < kLabelsPerWarp; ++i) s_gw[lane][warp * kLabelsPerWarp + i] = sums[i];
     __syncthreads();

@@ -8,7 +8,7 @@
 // PROBLEM: int64 header {x kind (0 float32, 1 float64, 2 bf16 with float32 weights), batch, inputs, labels,
 // connectivity, has bias}, then x (batch, inputs), indices int32 (connectivity, labels), weight, bias if any,
 // grad_out (batch, labels), contiguous. RESULT: forward (batch, labels), grad_x (batch, inputs),
-// grad_w (connectivity, labels), in the weights' type.
+// grad_w (connectivity, labels), grad_b (labels), in the weights' type.
 //
 //   kernels hinge PROBLEM RESULT
 // The fused squared hinge loss (cuda_ext/cuda/squared_hinge_kernels.cuh), both paths of its negatives kernel.
@@ -55,7 +55,7 @@ struct Problem {
       : batch(h[1]), inputs(h[2]), labels(h[3]), conn(h[4]), bpad(pad), x(in.take<TX>(batch * inputs)),
         idx(in.take<int32_t>(conn * labels)), w(in.take<T>(conn * labels)), bias(in.take<T>(h[5] ? labels : 0)),
         g(in.take<T>(batch * labels)), xt(inputs * bpad, TX{}), scores(batch * labels), gxt(inputs * bpad, T(0)),
-        grad_w(conn * labels) {
+        grad_w(conn * labels), grad_b(labels) {
     for (int64_t b = 0; b < batch; ++b)
       for (int64_t i = 0; i < inputs; ++i) xt[i * bpad + b] = x[b * inputs + i];
   }
@@ -67,13 +67,14 @@ struct Problem {
     append(out, scores);
     append(out, grad_x);
     append(out, grad_w);
+    append(out, grad_b);
   }
   int64_t batch, inputs, labels, conn, bpad;
   std::vector<TX> x;
   std::vector<int32_t> idx;
   std::vector<T> w, bias, g;
   std::vector<TX> xt;
-  std::vector<T> scores, gxt, grad_w;
+  std::vector<T> scores, gxt, grad_w, grad_b;
 };
 
 template <typename T, typename TX>
@@ -92,7 +93,8 @@ void run_threads(Reader& in, const int64_t* h, std::ofstream& out) {
       threads::backward_input_kernel<T, V>(p.g.data(), p.idx.data(), p.w.data(), p.gxt.data(), B, P, C, L);
     });
     simt::launch(grid, threads::kThreads, [&] {
-      threads::backward_weight_kernel<T, TX, V>(p.g.data(), p.xt.data(), p.idx.data(), p.grad_w.data(), B, P, C, L);
+      threads::backward_weight_kernel<T, TX, V>(p.g.data(), p.xt.data(), p.idx.data(), p.grad_w.data(),
+                                                p.grad_b.data(), B, P, C, L);
     });
   });
   p.write(out);
@@ -110,7 +112,8 @@ void run_rows(Reader& in, const int64_t* h, std::ofstream& out) {
     rows::backward_input_kernel<T>(p.g.data(), p.idx.data(), p.w.data(), p.gxt.data(), B, P, C, L);
   });
   simt::launch(grid, rows::kThreads, [&] {
-    rows::backward_weight_kernel<T, TX>(p.g.data(), p.xt.data(), p.idx.data(), p.grad_w.data(), B, P, C, L);
+    rows::backward_weight_kernel<T, TX>(p.g.data(), p.xt.data(), p.idx.data(), p.grad_w.data(), p.grad_b.data(), B, P,
+                                        C, L);
   });
   p.write(out);
 }

@@ -98,7 +98,7 @@ def _fake_backward_weight(grad_out, x, indices):
     torch._check(grad_out.dim() == 2 and grad_out.shape[1] == indices.shape[1],
                  lambda: "grad_out must have out_features columns")
     torch._check(x.shape[0] == grad_out.shape[0], lambda: "x and grad_out must share the batch size")
-    return grad_out.new_empty(indices.shape)
+    return grad_out.new_empty(indices.shape), grad_out.new_empty(indices.shape[1])
 
 
 def _fake_squared_hinge(scores, positives):
@@ -127,8 +127,12 @@ def _backward(ctx, grad):
     needs_x, needs_w, needs_b = (ctx.needs_input_grad[i] for i in (0, 2, 3))
     ops = torch.ops.xmc_sparse
     grad_x = ops.backward_input(grad, indices, weight, ctx.in_features).to(ctx.x_dtype) if needs_x else None
-    grad_w = ops.backward_weight(grad, x, indices) if needs_w else None
-    grad_b = grad.sum(0) if needs_b else None
+    grad_w = grad_b = None
+    if needs_w:  # the weight backward reads every gradient column, and sums them for the bias on the way
+        grad_w, summed = ops.backward_weight(grad, x, indices)
+        grad_b = summed if needs_b else None
+    elif needs_b:
+        grad_b = grad.sum(0)
     return grad_x, None, grad_w, grad_b
 
 

@@ -40,12 +40,14 @@ def backward_input(grad_out: torch.Tensor, indices: torch.Tensor, weight: torch.
     return grad_x
 
 
-def backward_weight(grad_out: torch.Tensor, x: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
-    """grad_weight[k, j] = sum_b grad_out[b, j] * x[b, indices[k, j]]."""
+def backward_weight(grad_out: torch.Tensor, x: torch.Tensor,
+                    indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(grad_weight, grad_bias): grad_weight[k, j] = sum_b grad_out[b, j] * x[b, indices[k, j]] and
+    grad_bias[j] = sum_b grad_out[b, j] (the kernels sum it from the gradient columns they read anyway)."""
     grad_w = grad_out.new_empty(indices.shape)
     for k, cols, src in _slots(indices, grad_out.shape[0]):
         torch.sum(grad_out[:, cols] * x.index_select(1, src), dim=0, out=grad_w[k, cols])
-    return grad_w
+    return grad_w, grad_out.sum(0)
 
 
 def dense_weight(indices: torch.Tensor, weight: torch.Tensor, in_features: int) -> torch.Tensor:
