@@ -32,6 +32,33 @@ def test_a_mistyped_key_gets_one_line_with_a_suggestion_and_exit_2(tmp_path, typ
     assert not runs(tmp_path)
 
 
+@pytest.mark.parametrize("typo, line", [
+    ("+modle=1", "error: unknown setting 'modle': '+' added it, but nothing reads it; did you mean 'model'?"),
+    ("+trainer.max_epoch=3",
+     "error: unknown setting 'trainer.max_epoch': '+' added it, but nothing reads it; did you mean 'trainer.max_epochs'?"),
+])
+def test_a_key_added_with_plus_that_nothing_reads_is_refused_before_any_run(tmp_path, typo, line):
+    """Hydra takes `+key=value` for a key no config has; the run would ignore it without a word."""
+    result = cli(tmp_path, [typo, *TINIEST], timeout=60)
+    assert result.returncode == 2, result.stderr
+    assert stderr_lines(result.stderr) == [line]
+    assert not runs(tmp_path)
+
+
+def test_keys_added_with_plus_that_some_config_declares_pass():
+    from xmc_repro.cli import added_setting
+
+    assert added_setting([
+        "+trainer.num_nodes=2",       # declared by trainer=ddp, read by every trainer
+        "++trainer.max_epochs=2",     # forced: an existing setting
+        "+hydra.launcher.n_jobs=2",   # Hydra's own
+        "+dataset.data_dir=/data",    # declared by the file-backed datasets
+        "model=dense", "seed=3",
+    ]) is None
+    assert added_setting(["+model.intermediat=8", "+seeds=2"]).startswith("unknown setting 'model.intermediat'")
+    assert "--cfg job" in added_setting(["+zzz.q=1"])
+
+
 def test_a_key_without_any_close_match_lists_the_keys_there(tmp_path):
     result = cli(tmp_path, ["model.zzz=1"], timeout=60)
     assert result.returncode == 2

@@ -17,7 +17,7 @@ from pathlib import Path
 import hydra
 from omegaconf import DictConfig
 
-from xmc_repro.errors import UserError
+from xmc_repro.errors import ConfigError, UserError
 from xmc_repro.resources import resource_dir
 
 # Jobs of a sweep may run in other processes (joblib, submitit launchers): each failed job appends a line to
@@ -78,6 +78,13 @@ def _sweep_job() -> str | None:
 @hydra.main(version_base="1.3", config_path=str(resource_dir("conf")), config_name="config")
 def _task(cfg: DictConfig):
     try:
+        from hydra.core.hydra_config import HydraConfig
+
+        from xmc_repro.cli import added_setting
+
+        added = added_setting(list(HydraConfig.get().overrides.task))
+        if added:
+            raise ConfigError(added)
         if cfg.get("resume") is None:  # a resumed run's settings are the run's own: checked once they are loaded
             from xmc_repro.validation import validate
 

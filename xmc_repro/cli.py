@@ -109,3 +109,55 @@ def unknown_setting(error: BaseException) -> str | None:
     else:
         hint = "python -m xmc_repro --cfg job lists every setting"
     return f"unknown setting '{full_key}'; {hint}"
+
+
+def _declared(node, prefix: str = "") -> set[str]:
+    """The dotted paths of every key in a config file's tree (its `defaults` list aside)."""
+    keys = set()
+    for key, value in (node.items() if isinstance(node, dict) else ()):
+        if key != "defaults":
+            keys.add(prefix + str(key))
+            keys |= _declared(value, f"{prefix}{key}.")
+    return keys
+
+
+def declared_settings(group: str | None) -> set[str]:
+    """Every setting a file of `group` (conf/<group>/*.yaml; None: conf/config.yaml) declares, relative to the group:
+    the union over the group's options, so a key of one option (trainer.num_nodes of trainer=ddp) counts."""
+    conf = resource_dir("conf")
+    files = [conf / "config.yaml"] if group is None else [*(conf / group).glob("*.yaml")]
+    if group == "model":
+        files.append(conf / "model_common.yaml")  # `# @package model`
+    keys = set()
+    for path in files:
+        keys |= _declared(OmegaConf.to_container(OmegaConf.load(path), resolve=False))
+    return keys
+
+
+def added_setting(overrides: list[str]) -> str | None:
+    """One line for an override that adds a setting no config file declares (`+modle=1`, `+trainer.max_epoch=3`):
+    Hydra accepts it and nothing reads it, so the run would quietly ignore the typo. None when all are declared.
+    Config groups chosen with `+` and Hydra's own keys (`+hydra.launcher....`) pass."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.core.override_parser.types import OverrideType
+
+    conf = resource_dir("conf")
+    for override in OverridesParser.create().parse_overrides(overrides):
+        key = override.key_or_group
+        if override.type not in (OverrideType.ADD, OverrideType.FORCE_ADD) or override.package is not None:
+            continue
+        top, _, rest = key.partition(".")
+        if top == "hydra" or "/" in key or (not rest and (conf / top).is_dir()):
+            continue
+        group = top if rest and (conf / top).is_dir() else None
+        known = declared_settings(group)
+        if group is None:
+            known = {k for k in known if "." not in k and k != "hydra"} | set(GROUPS)
+        if (rest if group else key) in known:
+            continue
+        match = closest(rest if group else key, known)
+        hint = f"did you mean '{group + '.' if group else ''}{match}'?" if match else \
+            "python -m xmc_repro --cfg job lists every setting"
+        return f"unknown setting '{key}': '+' added it, but nothing reads it; {hint}"
+    return None
+
