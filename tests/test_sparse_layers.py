@@ -247,6 +247,30 @@ def test_unstructured_layer(device):
         assert int(layer.indices[1].max()) < 50 and int(layer.indices[0].max()) < 80
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_unstructured_layer_under_bf16_autocast_computes_in_float32(device):
+    """bf16-mixed hands the head the intermediate layer's bf16 output: the CSR products run in the weights' float32
+    on the bf16 values (MKL's have no bf16), and x's gradient comes back in bf16."""
+    layer = UnstructuredSparseLinear(50, 80, 5, generator=_gen(5)).to(device)
+    hidden = torch.nn.Linear(20, 50).to(device)
+    x = torch.randn(6, 20, device=device)
+    with torch.autocast(device, dtype=torch.bfloat16):
+        h = hidden(x)
+        h.retain_grad()
+        out = layer(h)
+    assert h.dtype == torch.bfloat16 and out.dtype == torch.float32
+    w = layer.weight.detach().clone().requires_grad_()
+    h32 = h.detach().float().requires_grad_()
+    expect = h32 @ _dense_unstructured(layer, w).T + layer.bias.detach()
+    torch.testing.assert_close(out, expect)
+    grad = torch.randn_like(out)
+    out.backward(grad)
+    expect.backward(grad)
+    assert h.grad.dtype == torch.bfloat16
+    torch.testing.assert_close(h.grad, h32.grad.bfloat16())
+    torch.testing.assert_close(layer.weight.grad, w.grad)
+
+
 def test_unstructured_rewire_deterministic_and_dense_case():
     a = UnstructuredSparseLinear(6, 10, 5, generator=_gen(1))  # 50 of 60 positions: exact sampling
     b = UnstructuredSparseLinear(6, 10, 5, generator=_gen(1))

@@ -194,8 +194,11 @@ class UnstructuredSparseLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]
-        x2 = x.reshape(-1, x.shape[-1])
-        out = _CsrLinear.apply(x2, self.weight, self._get_structure())
+        # In the weights' dtype, autocast or not (bf16-mixed hands over bf16 activations): torch's CSR products take
+        # one dtype, and MKL's have no bf16 at all. So the layer computes as the uniform op does under autocast.
+        x2 = x.reshape(-1, x.shape[-1]).to(self.weight.dtype)
+        with torch.autocast(x.device.type, enabled=False):
+            out = _CsrLinear.apply(x2, self.weight, self._get_structure())
         if self.bias is not None:
             out = out + self.bias
         return out.reshape(*lead, self.out_features)
