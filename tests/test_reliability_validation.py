@@ -63,6 +63,9 @@ REFUSED = {
     "rewire_schedule_unknown": (["model.rewire_schedule=weekly"], "model.rewire_schedule='weekly' is unknown"),
     "cuda_graph_word": (["trainer.cuda_graph=maybe"], "trainer.cuda_graph='maybe' must be true or false"),
     "progress_bar_number": (["trainer.progress_bar=2"], "trainer.progress_bar=2 must be true or false"),
+    # Lightning refuses these too, but with a traceback
+    "precision_unknown": (["trainer.precision=fp32"], "trainer.precision='fp32' is unknown; choose one of 32-true,"),
+    "accelerator_unknown": (["trainer.accelerator=gpuu"], "trainer.accelerator='gpuu' is unknown; choose one of auto,"),
 }
 
 
@@ -92,6 +95,17 @@ ACCEPTED = [
 @pytest.mark.parametrize("overrides", ACCEPTED, ids=[" ".join(o) or "defaults" for o in ACCEPTED])
 def test_good_settings_pass(overrides):
     validation.validate(compose(overrides))
+
+
+def test_a_gpu_asked_for_where_there_is_none_is_refused_before_the_run(monkeypatch):
+    import torch
+
+    from xmc_repro import train
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(ConfigError, match=r"^trainer.accelerator=gpu but no CUDA device is visible here; use "):
+        train.validate(compose(["trainer.accelerator=gpu"]))
+    train.validate(compose(["trainer.accelerator=cpu"]))
 
 
 def test_positive_int_is_the_one_check_of_sizes():

@@ -34,6 +34,10 @@ from xmc_repro.validation import validate as validate_values
 def validate(cfg: DictConfig) -> None:
     """The config's values (`xmc_repro.validation`), then whether this launch can run it."""
     validate_values(cfg)
+    accelerator = str(cfg.trainer.accelerator)
+    if accelerator in ("gpu", "cuda") and not torch.cuda.is_available():  # Lightning's error is a traceback
+        raise ConfigError(f"trainer.accelerator={accelerator} but no CUDA device is visible here; use "
+                          "trainer.accelerator=auto (a GPU when there is one) or cpu")
     problem = launch_problem(cfg.trainer, multirun=bool(sweep_tags()))
     if problem:
         raise ConfigError(problem)

@@ -24,6 +24,9 @@ _SPARSE_OP_HEADS = ("uniform", "mach")  # heads that run the uniform op (MACH de
 # Settings with named choices; the code that acts on them takes these tuples from here.
 INITS = ("authors", "fan_in")  # model.init: the authors' Keras initialisation, or torch's nn.Linear bounds
 REWIRE_SCHEDULES = ("authors", "multiples")  # model.rewire_schedule: after steps 1, N+1, ... or N, 2N, ...
+# Lightning's precisions (its short names too) and accelerators, refused here in one line rather than by Lightning
+PRECISIONS = ("32-true", "bf16-mixed", "16-mixed", "64-true", "bf16-true", "16-true", "32", "bf16", "16", "64")
+ACCELERATORS = ("auto", "cpu", "gpu", "cuda", "mps", "tpu")
 
 
 def positive_int(value, setting: str, example: int | None = None) -> int:
@@ -110,6 +113,8 @@ def validate(cfg: DictConfig) -> None:
     number(cfg, t + "early_stop_patience", int, low=0, fix="epochs without improvement before stopping")
     number(cfg, t + "early_stop_min_delta", low=0)
     _limit_train_batches(cfg)
+    choice(str(OmegaConf.select(cfg, t + "precision")), t + "precision", PRECISIONS)
+    choice(str(OmegaConf.select(cfg, t + "accelerator")), t + "accelerator", ACCELERATORS)
     for key in (t + "progress_bar", t + "cuda_graph", t + "memory_report"):
         if not isinstance(OmegaConf.select(cfg, key, default=True), bool):
             raise ConfigError(f"{key}={OmegaConf.select(cfg, key)!r} must be true or false")
