@@ -43,6 +43,27 @@ def test_bf16_mixed_precision_trains_with_an_intermediate_layer(tmp_path, head):
     assert torch.isfinite(trainer.callback_metrics["train/loss_epoch"])
 
 
+@pytest.mark.parametrize("precision, head, head_input", [
+    ("bf16-mixed", "uniform", torch.bfloat16),  # autocast, as in validation
+    ("64-true", "uniform", torch.float64),      # inputs converted to the parameters' dtype (a crash before)
+    ("bf16-true", "dense", torch.bfloat16),
+])
+def test_the_final_evaluation_computes_as_validation_does(tmp_path, precision, head, head_input):
+    """The test and train P@k after fit run through the trainer's precision, as its validation does; the scores of
+    the validation loop and of `evaluate` then agree."""
+    torch.manual_seed(0)
+    model = XMCClassifier(TINY["num_features"], TINY["num_labels"], head=head, connectivity=4, intermediate=32)
+    dm = build_datamodule(TINY, batch_size=16, seed=0)
+    trainer = quiet_trainer(tmp_path, max_steps=4, limit_val_batches=0, precision=precision)
+    trainer.fit(model, datamodule=dm)
+    seen = []
+    model.head.register_forward_hook(lambda module, args, out: seen.append(args[0].dtype))
+    metrics = model.evaluate(dm.test_dataloader(), precision=trainer.precision_plugin)
+    assert set(seen) == {head_input} and 0 <= metrics["p_at_3"] <= 100
+    [validated] = quiet_trainer(tmp_path, precision=precision).validate(model, datamodule=dm, verbose=False)
+    assert metrics["p_at_3"] == pytest.approx(validated["val/p_at_3"], abs=1e-4)
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.float64])
 @pytest.mark.parametrize("bad", [None, float("nan"), float("inf"), -float("inf")])
 def test_all_finite_agrees_with_isfinite(dtype, bad):

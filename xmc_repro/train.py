@@ -301,8 +301,9 @@ def _fit_and_test(cfg, tracker, checkpoint_dir: Path, resume_from: Path | None, 
         model.load_state_dict(checkpoints.load_checked(best, model, "best checkpoint")["state_dict"])
     model.to(device)
     inv_prop = model.val_metrics.inv_propensity
-    test = model.evaluate(dm.test_dataloader(), inv_prop)
-    train = model.evaluate(dm.train_eval_dataloader(), inv_prop, max_points=t.train_eval_max_points)
+    evaluate = functools.partial(model.evaluate, inv_propensity=inv_prop, precision=trainer.precision_plugin)
+    test = evaluate(dm.test_dataloader())
+    train = evaluate(dm.train_eval_dataloader(), max_points=t.train_eval_max_points)
     callbacks["memory"].update(model)
     results = {f"test/{k}": v for k, v in test.items()}
     results.update({f"train/{k}": v for k, v in train.items()})
