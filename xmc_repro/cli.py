@@ -160,4 +160,3 @@ def added_setting(overrides: list[str]) -> str | None:
             "python -m xmc_repro --cfg job lists every setting"
         return f"unknown setting '{key}': '+' added it, but nothing reads it; {hint}"
     return None
-
