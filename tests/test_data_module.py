@@ -241,6 +241,15 @@ def test_train_test_dimension_mismatch(tmp_path):
         setup_dm({**cfg, "test_file": "c.txt"})
 
 
+def test_a_missing_xc_file_gets_the_fix_that_fits_how_it_was_named(tmp_path):
+    (tmp_path / "a.txt").write_text("1 3 2\n0 1:1\n")
+    with pytest.raises(DataError, match=r"missing .*b.txt; set dataset.data_dir=DIR"):
+        setup_dm({"kind": "xc", "data_dir": str(tmp_path), "train_file": "a.txt", "test_file": "b.txt"})
+    given = {"train_file": str(tmp_path / "a.txt"), "test_file": str(tmp_path / "b.txt")}  # in full: no folder
+    with pytest.raises(DataError, match=r"missing .*b.txt; check dataset.train_file and dataset.test_file$"):
+        setup_dm({"kind": "xc", **given})
+
+
 def test_empty_split(tmp_path):
     (tmp_path / "a.txt").write_text("0 3 2\n")
     (tmp_path / "b.txt").write_text("1 3 2\n0 1:1\n")

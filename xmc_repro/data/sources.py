@@ -112,7 +112,9 @@ def _xc(cfg) -> tuple[Split, Split]:
     _not_files(paths)
     missing = [str(p) for p in paths if not p.exists()]
     if missing:
-        hint = "set dataset.data_dir=DIR (the folder with both files)"
+        given_in_full = all(Path(cfg[key]).is_absolute() for key in ("train_file", "test_file"))
+        hint = ("check dataset.train_file and dataset.test_file" if given_in_full
+                else "set dataset.data_dir=DIR (the folder with both files)")
         if cfg.get("shared_subdir") and not cfg.get("data_dir"):
             hint += f" or $XMC_SHARED_DATA (default ../shared/data beside the project, subfolder {cfg['shared_subdir']})"
         raise DataError(f"dataset {cfg.get('name', 'xc')}: missing {', '.join(missing)}; {hint}")
