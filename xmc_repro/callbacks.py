@@ -124,9 +124,10 @@ class EpochTime(pl.Callback):
 
     Steps are timed over windows of `step_window` batches of one epoch, between two device syncs (one per window, so
     the GPU's queued work counts where it runs): a window includes its steps' callbacks (a rewiring, a checkpoint),
-    never validation, nor the logging of the previous window's time. Each window's mean is logged as `train/ms_per_step` at its last step (a curve over training:
-    early steps, whose squared-hinge gradients are dense, are slower); `step_ms_median` is the median over the fit's
-    windows, which a rewiring inside a window does not move.
+    never validation, nor the logging of the previous window's time. Each window's mean is logged as
+    `train/ms_per_step` at its last step (a curve over training: early steps, whose squared-hinge gradients are
+    dense, are slower); `step_ms_median` is the median over the fit's windows, which a rewiring inside a window does
+    not move.
     """
 
     def __init__(self, step_window: int = 100):
