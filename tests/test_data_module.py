@@ -11,6 +11,7 @@ from conftest import TINY
 from omegaconf import OmegaConf
 
 from xmc_repro.data import build_datamodule, load_npy_features, write_xc
+from xmc_repro.data.datamodule import buffered_shuffle
 from xmc_repro.data.labels import LabelCSR
 from xmc_repro.data.sources import shared_data_root
 from xmc_repro.errors import ConfigError, DataError
@@ -406,3 +407,30 @@ def test_lightning_checkpoint_resumes_mid_epoch_with_the_same_batches(tmp_path):
     pl.Trainer(**kw).fit(resumed, datamodule=build_datamodule(cfg, batch_size=16, seed=9),
                          ckpt_path=tmp_path / "ck" / "step=10.ckpt")
     assert resumed.seen == full.seen[10:]
+
+
+def test_buffered_shuffle_is_tf_datas_window_shuffle():
+    rng = lambda: np.random.default_rng([3, 0])  # noqa: E731
+    for n, buffer in ((1000, 64), (1000, 1), (257, 256)):
+        order = buffered_shuffle(n, buffer, rng())
+        assert sorted(order.tolist()) == list(range(n))
+        # a point leaves the buffer only after it entered: position i holds one of the first i + buffer points
+        assert (order < np.arange(n) + buffer).all()
+    assert (buffered_shuffle(50, 1, rng()) == np.arange(50)).all()  # a buffer of one keeps the file order
+    # the first draws come from the whole buffer, not from its start: about uniform over 64 slots
+    firsts = [buffered_shuffle(1000, 64, np.random.default_rng([s, 0]))[0] for s in range(400)]
+    assert max(firsts) >= 56 and min(firsts) <= 7 and 24 <= np.mean(firsts) <= 40
+    # a set no larger than the buffer: exactly the uniform permutation (the order of runs before the setting)
+    for buffer in (None, 1000, 5000):
+        assert (buffered_shuffle(1000, buffer, rng()) == rng().permutation(1000)).all()
+
+
+def test_the_training_order_follows_shuffle_buffer():
+    n = TINY["num_train"]
+    for buffer, expected in ((None, np.random.default_rng([5, 1]).permutation(n)),
+                             (40, buffered_shuffle(n, 40, np.random.default_rng([5, 1])))):
+        dm = build_datamodule(TINY, batch_size=32, seed=5, shuffle_buffer=buffer)
+        dm.setup("fit")
+        loader = dm.train_dataloader()
+        loader.sampler.set_epoch(1)
+        np.testing.assert_array_equal(torch.cat([b[0] for b in loader]).numpy(), dm.train_split.features[expected])

@@ -1,4 +1,5 @@
-"""The authors' training behaviour as the defaults: initialisation, rewiring schedule and count, tf-idf."""
+"""The authors' training behaviour as the defaults: initialisation, rewiring schedule and count, LR halving, the
+best epoch and when it is restored, tf-idf."""
 
 from __future__ import annotations
 
@@ -11,11 +12,12 @@ import scipy.sparse as sp
 import torch
 from torch import nn
 
-from xmc_repro.callbacks import Rewiring
+from xmc_repro.callbacks import BestCheckpoint, Rewiring, early_stopping
 from xmc_repro.data import build_datamodule
 from xmc_repro.errors import ConfigError
 from xmc_repro.data.features import inverse_document_frequency, tfidf_rows
 from xmc_repro.model import XMCClassifier
+from xmc_repro.train import restores_best
 
 TINY = {"kind": "synthetic", "name": "Tiny", "num_train": 200, "num_test": 40, "num_features": 24,
         "num_labels": 60, "latent_dim": 8, "labels_per_point": 2.0, "data_seed": 0, "holdout_fraction": 0.1}
@@ -130,3 +132,33 @@ def test_stand_ins_have_the_label_statistics_of_their_datasets(stem, labels_per_
     pairs = len(labels.idx)
     assert abs(pairs / spec.num_train / labels_per_point - 1) < 0.05
     assert abs(pairs / spec.num_labels / points_per_label - 1) < 0.05
+
+
+def test_lr_halves_after_lr_patience_epochs_without_improvement_as_keras_does():
+    model = XMCClassifier(TINY["num_features"], TINY["num_labels"], head="dense", lr=1e-3, lr_patience=2,
+                          lr_threshold=1e-3)
+    scheduler = model.configure_optimizers()["lr_scheduler"]["scheduler"]
+    # val P@3 (percent); an improvement must exceed the best by 0.1 points. Keras's ReduceLROnPlateau halves
+    # when `patience` epochs in a row fail to improve (epochs 2-3, then 6-7), and counts afresh after halving.
+    lrs = []
+    for p3 in (10.0, 10.05, 10.05, 10.05, 10.2, 10.2, 10.2, 10.25):
+        scheduler.step(p3)
+        lrs.append(scheduler.optimizer.param_groups[0]["lr"])
+    assert lrs == pytest.approx([1e-3, 1e-3, 5e-4, 5e-4, 5e-4, 5e-4, 2.5e-4, 2.5e-4])
+
+
+def test_best_epoch_must_beat_the_best_by_min_delta(tmp_path):
+    best = BestCheckpoint(dirpath=tmp_path, monitor="val/p_at_3", mode="max", min_delta=5e-5)  # 0.005 points
+    trainer = pl.Trainer(logger=False, enable_progress_bar=False, enable_model_summary=False)
+    assert best.check_monitor_top_k(trainer, torch.tensor(10.0))  # the first epoch is the best so far
+    best.best_k_models, best.kth_best_model_path = {"best.ckpt": torch.tensor(10.0)}, "best.ckpt"
+    assert not best.check_monitor_top_k(trainer, torch.tensor(10.004))
+    assert best.check_monitor_top_k(trainer, torch.tensor(10.006))
+
+
+def test_the_best_weights_are_restored_only_when_early_stopping_ended_the_run():
+    stopped, ran_out = early_stopping(4, 5e-5), early_stopping(4, 5e-5)
+    stopped.stopped_epoch = 11  # Lightning sets it when patience runs out
+    assert restores_best("early_stop", stopped) and not restores_best("early_stop", ran_out)
+    assert not restores_best("early_stop", None)
+    assert restores_best("always", ran_out) and restores_best("always", None)

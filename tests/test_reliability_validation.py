@@ -62,6 +62,9 @@ REFUSED = {
     "init_unknown": (["model=dense", "model.init=keras"], "model.init='keras' is unknown; choose one of authors, fan_in"),
     "rewire_schedule_unknown": (["model.rewire_schedule=weekly"], "model.rewire_schedule='weekly' is unknown"),
     "cuda_graph_word": (["trainer.cuda_graph=maybe"], "trainer.cuda_graph='maybe' must be true or false"),
+    "restore_best_unknown": (["trainer.restore_best=never"], "trainer.restore_best='never' is unknown; choose one of "
+                             "early_stop, always"),
+    "shuffle_buffer_0": (["trainer.shuffle_buffer=0"], "trainer.shuffle_buffer=0 must be an integer >= 1"),
     "progress_bar_number": (["trainer.progress_bar=2"], "trainer.progress_bar=2 must be true or false"),
     # Lightning refuses these too, but with a traceback
     "precision_unknown": (["trainer.precision=fp32"], "trainer.precision='fp32' is unknown; choose one of 32-true,"),

@@ -44,7 +44,7 @@ def print_summary(cfg: DictConfig, results: dict) -> None:
     console = Console()
     console.print(title(cfg), style="bold", markup=False, highlight=False)
     console.print(table)
-    chosen = selection(cfg)
+    chosen = selection(cfg, results.get("tested_weights"))
     if chosen:
         console.print(chosen, markup=False, highlight=False)
     memory = results.get("peak_gpu_memory_gib")

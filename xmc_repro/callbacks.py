@@ -1,4 +1,5 @@
-"""Lightning callbacks: sparse rewiring, peak GPU memory, epoch and step times, a profile of some training steps."""
+"""Lightning callbacks: sparse rewiring, early stopping and the best epoch, peak GPU memory, epoch and step times, a
+profile of some training steps."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from pathlib import Path
 
 import lightning.pytorch as pl
 import torch
-from lightning.pytorch.callbacks import EarlyStopping
+from lightning.pytorch.callbacks import EarlyStopping, ModelCheckpoint
 
 from xmc_repro.distributed import assert_identical_across_ranks
 from xmc_repro.validation import REWIRE_SCHEDULES
@@ -88,6 +89,20 @@ def early_stopping(patience: int, min_delta: float) -> EarlyStopping:
     `min_delta` is a P@3 fraction as in the authors' code; the logged metrics are percentages.
     """
     return EarlyStopping(monitor="val/p_at_3", mode="max", patience=int(patience), min_delta=float(min_delta) * 100)
+
+
+class BestCheckpoint(ModelCheckpoint):
+    """The best epoch's checkpoint, where an epoch is better only by more than `min_delta` (a P@3 fraction), as
+    in Keras's EarlyStopping, whose best weights the authors restore. Lightning's keeps any strict improvement."""
+
+    def __init__(self, *args, min_delta: float = 0.0, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.min_delta = float(min_delta) * 100
+
+    def check_monitor_top_k(self, trainer, current=None):
+        if current is not None and self.best_k_models:
+            current = current - self.min_delta if self.mode == "max" else current + self.min_delta
+        return super().check_monitor_top_k(trainer, current)
 
 
 class PeakMemory(pl.Callback):

@@ -50,8 +50,11 @@ def title(cfg: DictConfig) -> str:
     return f"{dataset_label(cfg.dataset)}: {', '.join(parts)}"
 
 
-def selection(cfg: DictConfig) -> str | None:
-    """Which split chose the reported epoch and stopped training (None when the config does not say)."""
+def selection(cfg: DictConfig, tested_weights: str | None = None) -> str | None:
+    """Which weights were tested (`tested_weights`: "best epoch" | "last epoch") and which split chose the best
+    epoch and stopped training (None when the config does not say)."""
+    if tested_weights == "last epoch":  # trainer.restore_best=early_stop, as the authors' Keras code
+        return "tested with the last epoch's weights: max_epochs ended the run before early stopping"
     split = OmegaConf.select(cfg, "validate_on")
     if split == "test":  # the early-stopping and LR-halving monitor too, see conf/trainer/default.yaml
         return "epoch chosen on test P@3 (validate_on=test, the authors' protocol)"

@@ -262,12 +262,13 @@ class XMCClassifier(pl.LightningModule):
         # of the multi-tensor path: at 670k labels those are a sizeable part of the peak memory.
         optimizer = torch.optim.Adam(self.parameters(), lr=hp.lr, eps=hp.adam_eps,
                                      fused=self.device.type == "cuda" or None)
-        # The authors' thresholds are in P@3 as a fraction; our metrics are in percent.
+        # The authors' thresholds are in P@3 as a fraction; our metrics are in percent. Keras's ReduceLROnPlateau
+        # (theirs) halves once `patience` epochs in a row fail to improve, torch's only after patience + 1.
         scheduler = torch.optim.lr_scheduler.ReduceLROnPlateau(
             optimizer,
             mode="max",
             factor=hp.lr_factor,
-            patience=hp.lr_patience,
+            patience=max(hp.lr_patience - 1, 0),
             threshold=hp.lr_threshold * 100,
             threshold_mode="abs",
             min_lr=hp.min_lr,

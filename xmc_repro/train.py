@@ -236,6 +236,12 @@ def run(cfg: DictConfig) -> dict:
             lock.release()
 
 
+def restores_best(restore_best: str, early_stop) -> bool:
+    """Whether the run is tested with its best epoch's weights: `always`, or with `early_stop` (the authors' Keras 2
+    EarlyStopping) only when early stopping ended the run; a run that reached max_epochs is tested as it ends."""
+    return restore_best == "always" or (early_stop is not None and early_stop.stopped_epoch > 0)
+
+
 def _fit_and_test(cfg, tracker, checkpoint_dir: Path, resume_from: Path | None, progress: dict) -> dict:
     """Fit, then (with a tracker: on DDP rank 0 only) test and record; other ranks return {} after fit."""
     from xmc_repro.sparse import backend
@@ -248,6 +254,7 @@ def _fit_and_test(cfg, tracker, checkpoint_dir: Path, resume_from: Path | None, 
         seed=int(cfg.seed),
         validate_on=cfg.validate_on,
         eval_batch_size=int(cfg.trainer.eval_batch_size),
+        shuffle_buffer=cfg.trainer.get("shuffle_buffer"),  # absent in runs from before it: a uniform permutation
         # Pinned batches copy to the GPU without waiting for it; from pageable memory each copy syncs the host.
         pin_memory=torch.cuda.is_available() and str(cfg.trainer.accelerator) in ("auto", "gpu", "cuda"),
     )
@@ -296,9 +303,14 @@ def _fit_and_test(cfg, tracker, checkpoint_dir: Path, resume_from: Path | None, 
     trainer.fit(model, datamodule=dm, ckpt_path=resume_from)
 
     best = callbacks["best"].best_model_path
-    if best:  # restore the best weights, as the authors' early stopping does
+    # A run resumed from before the setting existed restored its best epoch always.
+    if best and restores_best(t.get("restore_best", "always"), callbacks.get("early_stop")):
         # Via the host: the checkpoint also holds Adam's moments, which must not count as GPU memory.
         model.load_state_dict(checkpoints.load_checked(best, model, "best checkpoint")["state_dict"])
+        tested_weights = "best epoch"
+    else:
+        tested_weights = "last epoch"
+    tracker.set_tags({"tested_weights": tested_weights})
     model.to(device)
     inv_prop = model.val_metrics.inv_propensity
     evaluate = functools.partial(model.evaluate, inv_propensity=inv_prop, precision=trainer.precision_plugin)
@@ -322,4 +334,5 @@ def _fit_and_test(cfg, tracker, checkpoint_dir: Path, resume_from: Path | None, 
     results["run_id"] = tracker.run_id
     results["ui"] = tracker.browse_hint()
     results["device"] = device_name(device)
+    results["tested_weights"] = tested_weights
     return results

@@ -24,6 +24,7 @@ _SPARSE_OP_HEADS = ("uniform", "mach")  # heads that run the uniform op (MACH de
 # Settings with named choices; the code that acts on them takes these tuples from here.
 INITS = ("authors", "fan_in")  # model.init: the authors' Keras initialisation, or torch's nn.Linear bounds
 REWIRE_SCHEDULES = ("authors", "multiples")  # model.rewire_schedule: after steps 1, N+1, ... or N, 2N, ...
+RESTORE_BEST = ("early_stop", "always")  # trainer.restore_best: when the best epoch's weights are tested
 # Lightning's precisions (its short names too) and accelerators, refused here in one line rather than by Lightning
 PRECISIONS = ("32-true", "bf16-mixed", "16-mixed", "64-true", "bf16-true", "16-true", "32", "bf16", "16", "64")
 ACCELERATORS = ("auto", "cpu", "gpu", "cuda", "mps", "tpu")
@@ -112,6 +113,9 @@ def validate(cfg: DictConfig) -> None:
     number(cfg, t + "lr_threshold", low=0)
     number(cfg, t + "early_stop_patience", int, low=0, fix="epochs without improvement before stopping")
     number(cfg, t + "early_stop_min_delta", low=0)
+    if OmegaConf.select(cfg, t + "restore_best", default=None) is not None:
+        choice(OmegaConf.select(cfg, t + "restore_best"), t + "restore_best", RESTORE_BEST)
+    _optional_positive(cfg, t + "shuffle_buffer", "or null for a uniform permutation every epoch")
     _limit_train_batches(cfg)
     choice(str(OmegaConf.select(cfg, t + "precision")), t + "precision", PRECISIONS)
     choice(str(OmegaConf.select(cfg, t + "accelerator")), t + "accelerator", ACCELERATORS)

@@ -61,16 +61,32 @@ def _keep(batch):
     return batch
 
 
+def buffered_shuffle(n: int, buffer: int | None, rng: np.random.Generator) -> np.ndarray:
+    """0..n-1 in the order tf.data's ``shuffle(buffer)`` gives the file order (the authors' loader): each point
+    comes out of a buffer of the next `buffer` points at random, so it moves at most about `buffer` positions
+    early. With `buffer` None or >= n: ``rng.permutation(n)``, a uniform permutation."""
+    if buffer is None or buffer >= n:
+        return rng.permutation(n)
+    out = np.empty(n, np.int64)
+    pool = list(range(buffer))
+    for i, slot in enumerate(rng.integers(0, buffer, size=n - buffer).tolist()):  # the buffer stays full
+        out[i] = pool[slot]
+        pool[slot] = buffer + i
+    out[n - buffer:] = rng.permutation(pool)  # the input is spent: the buffer drains in random order
+    return out
+
+
 class EpochBatchSampler:
-    """Batches of positions: a permutation from ``(seed, epoch)`` when shuffling, else in order.
+    """Batches of positions: a shuffle from ``(seed, epoch)`` (``buffered_shuffle``) when shuffling, else in order.
 
     ``start`` batches of the epoch are skipped (set when resuming); a completed pass moves to the next
     epoch by itself, and Lightning's ``set_epoch`` keeps the count in step.
     """
 
     def __init__(self, n: int, batch_size: int, shuffle: bool, seed: int = 0, order: np.ndarray | None = None,
-                 rank: int = 0, world_size: int = 1):
+                 rank: int = 0, world_size: int = 1, shuffle_buffer: int | None = None):
         self.n, self.batch_size, self.shuffle, self.seed = n, batch_size, shuffle, seed
+        self.shuffle_buffer = shuffle_buffer
         self.fixed_order = order
         # Under DDP every rank walks the same global batches and keeps its 1/world_size share of each, so
         # `batch_size` stays the global batch and a step sees the same points as a single-process step.
@@ -88,7 +104,7 @@ class EpochBatchSampler:
         if self.fixed_order is not None:
             return self.fixed_order
         if self.shuffle:
-            return np.random.default_rng([self.seed, epoch]).permutation(self.n)
+            return buffered_shuffle(self.n, self.shuffle_buffer, np.random.default_rng([self.seed, epoch]))
         return np.arange(self.n)
 
     def __iter__(self):
@@ -145,7 +161,9 @@ class XMCDataModule(pl.LightningDataModule):
         seed: int = 0,
         validate_on: str | None = None,
         pin_memory: bool = False,
+        shuffle_buffer: int | None = None,
     ):
+        """`shuffle_buffer`: see ``buffered_shuffle`` (None: each epoch a uniform permutation)."""
         super().__init__()
         self.cfg = _plain(dataset_cfg)
         self.batch_size = int(batch_size)
@@ -154,6 +172,7 @@ class XMCDataModule(pl.LightningDataModule):
         self.seed = int(seed)
         self.validate_on = validate_on or self.cfg.get("validate_on") or "test"
         self.pin_memory = pin_memory
+        self.shuffle_buffer = None if shuffle_buffer is None else int(shuffle_buffer)
         self.holdout_fraction = float(self.cfg.get("holdout_fraction") or 0.1)
         if self.validate_on not in ("test", "holdout"):
             raise ConfigError(f"validate_on={self.validate_on!r} must be 'test' (the authors' protocol) or 'holdout'")
@@ -194,7 +213,8 @@ class XMCDataModule(pl.LightningDataModule):
         data = BatchDataset(self.train_split, self.train_rows)
         trainer = self.trainer  # set when Lightning runs this DataModule; None when used on its own
         rank, world = (trainer.global_rank, trainer.world_size) if trainer is not None else (0, 1)
-        sampler = EpochBatchSampler(len(data), self.batch_size, shuffle=True, seed=self.seed, rank=rank, world_size=world)
+        sampler = EpochBatchSampler(len(data), self.batch_size, shuffle=True, seed=self.seed, rank=rank, world_size=world,
+                                    shuffle_buffer=self.shuffle_buffer)
         return ResumableLoader(data, sampler, **self._loader_kwargs())
 
     def val_dataloader(self) -> DataLoader:
@@ -249,6 +269,8 @@ def build_datamodule(
     validate_on: str | None = None,
     eval_batch_size: int | None = None,
     pin_memory: bool = False,
+    shuffle_buffer: int | None = None,
 ) -> XMCDataModule:
     """The DataModule for ``cfg.dataset`` (DictConfig or dict); call ``setup("fit")`` to load."""
-    return XMCDataModule(dataset_cfg, batch_size, eval_batch_size, num_workers, seed, validate_on, pin_memory)
+    return XMCDataModule(dataset_cfg, batch_size, eval_batch_size, num_workers, seed, validate_on, pin_memory,
+                         shuffle_buffer)
