@@ -92,6 +92,7 @@ ACCEPTED = [
     ["trainer.precision=bf16-true", "model=dense"],
     ["trainer.precision=bf16-mixed", "model=dense", "model.intermediate=16"],  # no sparse op
     ["model=mach"], ["model=bottleneck"], ["model=unstructured"],
+    ["trainer.restore_best=always"], ["trainer.shuffle_buffer=null"], ["trainer.shuffle_buffer=1"],
 ]
 
 
