@@ -108,6 +108,14 @@ def test_the_interval_is_the_datasets_and_the_fraction_the_models(tmp_path):
     assert (rewiring.every_epoch, rewiring.every_n_steps, rewiring.fraction) == (False, 7, 0.0)
 
 
+def test_the_best_checkpoint_and_early_stopping_watch_val_p3_as_the_config_says(tmp_path):
+    callbacks = build_callbacks(_compose([]), tmp_path)
+    best, stop = callbacks["best"], callbacks["early_stop"]
+    assert (best.dirpath, best.filename, best.monitor, best.mode) == (str(tmp_path), "best", "val/p_at_3", "max")
+    assert best.min_delta == stop.min_delta == pytest.approx(5e-3)  # 5e-5 as a P@3 fraction, in percent
+    assert (stop.monitor, stop.patience) == ("val/p_at_3", 4)
+
+
 class LowRankHead(nn.Sequential):
     """The README's example of a new head: its settings are the constructor's keyword arguments."""
 

@@ -95,8 +95,11 @@ class BestCheckpoint(ModelCheckpoint):
     """The best epoch's checkpoint, where an epoch is better only by more than `min_delta` (a P@3 fraction), as
     in Keras's EarlyStopping, whose best weights the authors restore. Lightning's keeps any strict improvement."""
 
-    def __init__(self, *args, min_delta: float = 0.0, **kwargs):
-        super().__init__(*args, **kwargs)
+    def __init__(self, dirpath=None, filename=None, monitor=None, mode="min", enable_version_counter=True,
+                 min_delta: float = 0.0):
+        # Each setting named: a callback's config passes only the settings its signature names (instantiate_with).
+        super().__init__(dirpath=dirpath, filename=filename, monitor=monitor, mode=mode,
+                         enable_version_counter=enable_version_counter)
         self.min_delta = float(min_delta) * 100
 
     def check_monitor_top_k(self, trainer, current=None):
