@@ -113,8 +113,8 @@ def validate(cfg: DictConfig) -> None:
     number(cfg, t + "lr_threshold", low=0)
     number(cfg, t + "early_stop_patience", int, low=0, fix="epochs without improvement before stopping")
     number(cfg, t + "early_stop_min_delta", low=0)
-    if OmegaConf.select(cfg, t + "restore_best", default=None) is not None:
-        choice(OmegaConf.select(cfg, t + "restore_best"), t + "restore_best", RESTORE_BEST)
+    # absent in a run's config from before the setting: that run restored its best epoch always
+    choice(OmegaConf.select(cfg, t + "restore_best", default="always"), t + "restore_best", RESTORE_BEST)
     _optional_positive(cfg, t + "shuffle_buffer", "or null for a uniform permutation every epoch")
     _limit_train_batches(cfg)
     choice(str(OmegaConf.select(cfg, t + "precision")), t + "precision", PRECISIONS)
