@@ -17,6 +17,7 @@ from xmc_repro.data import build_datamodule
 from xmc_repro.errors import ConfigError
 from xmc_repro.data.features import inverse_document_frequency, tfidf_rows
 from xmc_repro.model import XMCClassifier
+from xmc_repro.optim import KerasAdam
 from xmc_repro.train import restores_best
 
 TINY = {"kind": "synthetic", "name": "Tiny", "num_train": 200, "num_test": 40, "num_features": 24,
@@ -94,7 +95,50 @@ def test_bottleneck_follows_the_authors_dense_relu_dense():
 def test_adam_epsilon_is_keras_default():
     model = XMCClassifier(10, 20, head="dense")
     optimizer = model.configure_optimizers()["optimizer"]
-    assert optimizer.defaults["eps"] == 1e-7
+    assert optimizer.defaults["eps"] == 1e-7 and isinstance(optimizer, KerasAdam)
+    torch_adam = XMCClassifier(10, 20, head="dense", adam_eps_placement="torch").configure_optimizers()["optimizer"]
+    assert type(torch_adam) is torch.optim.Adam
+    with pytest.raises(ConfigError, match="trainer.adam_eps_placement='tf' is unknown"):
+        XMCClassifier(10, 20, head="dense", adam_eps_placement="tf")
+
+
+def _keras_adam_steps(p, grads, lr=1e-3, b1=0.9, b2=0.999, eps=1e-7):
+    """Keras's Adam update (tf.raw_ops.ApplyAdam), written out in float64."""
+    m, v = torch.zeros_like(p), torch.zeros_like(p)
+    for t, g in enumerate(grads, start=1):
+        m = b1 * m + (1 - b1) * g
+        v = b2 * v + (1 - b2) * g * g
+        p = p - lr * math.sqrt(1 - b2**t) / (1 - b1**t) * m / (v.sqrt() + eps)
+    return p
+
+
+def test_keras_adam_is_the_keras_update_and_resumes_where_it_stopped():
+    torch.manual_seed(0)
+    start = torch.randn(7, 13, dtype=torch.float64) * 1e-3
+    # gradients near epsilon's size, where its placement shows; one slot never gets a gradient
+    grads = [torch.randn(7, 13, dtype=torch.float64) * 10.0 ** torch.randint(-8, -4, (7, 13)) for _ in range(6)]
+    for g in grads:
+        g[0, 0] = 0
+    expected = _keras_adam_steps(start, grads)
+
+    def run(optimizer_kind, steps, param=None, state=None):
+        param = param if param is not None else nn.Parameter(start.clone())
+        optimizer = optimizer_kind([param], lr=1e-3, eps=1e-7)
+        if state is not None:
+            optimizer.load_state_dict(state)
+        for g in steps:
+            param.grad = g.clone()
+            optimizer.step()
+        return param, optimizer
+
+    got, _ = run(KerasAdam, grads)
+    torch.testing.assert_close(got.detach(), expected, rtol=1e-12, atol=0)
+    torch_adam, _ = run(torch.optim.Adam, grads)  # eps after the bias correction: another update
+    assert (torch_adam.detach() - expected).abs().max() > 0.1 * (expected - start).abs().max()
+    # a resumed run: the step count comes back with the optimizer's state
+    half, optimizer = run(KerasAdam, grads[:3])
+    resumed, _ = run(KerasAdam, grads[3:], param=nn.Parameter(half.detach().clone()), state=optimizer.state_dict())
+    torch.testing.assert_close(resumed.detach(), expected, rtol=1e-12, atol=0)
 
 
 def test_tfidf_against_a_direct_computation():

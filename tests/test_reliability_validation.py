@@ -64,6 +64,8 @@ REFUSED = {
     "cuda_graph_word": (["trainer.cuda_graph=maybe"], "trainer.cuda_graph='maybe' must be true or false"),
     "restore_best_unknown": (["trainer.restore_best=never"], "trainer.restore_best='never' is unknown; choose one of "
                              "early_stop, always"),
+    "adam_eps_placement_unknown": (["trainer.adam_eps_placement=tf"], "trainer.adam_eps_placement='tf' is unknown; "
+                                   "choose one of keras, torch"),
     "shuffle_buffer_0": (["trainer.shuffle_buffer=0"], "trainer.shuffle_buffer=0 must be an integer >= 1"),
     "progress_bar_number": (["trainer.progress_bar=2"], "trainer.progress_bar=2 must be true or false"),
     # Lightning refuses these too, but with a traceback
@@ -93,6 +95,7 @@ ACCEPTED = [
     ["trainer.precision=bf16-mixed", "model=dense", "model.intermediate=16"],  # no sparse op
     ["model=mach"], ["model=bottleneck"], ["model=unstructured"],
     ["trainer.restore_best=always"], ["trainer.shuffle_buffer=null"], ["trainer.shuffle_buffer=1"],
+    ["trainer.adam_eps_placement=torch"],
 ]
 
 

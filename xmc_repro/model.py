@@ -18,7 +18,8 @@ from xmc_repro.losses import TrainingLossLog
 from xmc_repro.metrics import XMCMetrics
 from xmc_repro.resources import resource_dir
 from xmc_repro.step_graph import CaptureError, StepGraph, loss_from_positions, unsupported_reason
-from xmc_repro.validation import INITS, choice, positive_int
+from xmc_repro.optim import adam
+from xmc_repro.validation import EPS_PLACEMENTS, INITS, choice, positive_int
 
 
 class NonFiniteLossError(RuntimeError):
@@ -113,6 +114,7 @@ class XMCClassifier(pl.LightningModule):
         loss: str | dict = "squared_hinge",
         lr: float = 1e-3,
         adam_eps: float = 1e-7,
+        adam_eps_placement: str = "keras",
         lr_factor: float = 0.5,
         lr_patience: int = 2,
         lr_threshold: float = 1e-3,
@@ -127,6 +129,7 @@ class XMCClassifier(pl.LightningModule):
         where the model allows it (`xmc_repro.step_graph`); elsewhere it changes nothing."""
         super().__init__()
         choice(init, "model.init", INITS)  # every layer reads it, the dense ones only when it is "authors"
+        choice(adam_eps_placement, "trainer.adam_eps_placement", EPS_PLACEMENTS)
         self.save_hyperparameters(ignore=["inv_propensity"])
         layers: list[nn.Module] = [nn.Dropout(dropout)]
         width = num_features
@@ -260,8 +263,8 @@ class XMCClassifier(pl.LightningModule):
         hp = self.hparams
         # Fused Adam on CUDA updates each parameter in one kernel, without the parameter-sized temporaries
         # of the multi-tensor path: at 670k labels those are a sizeable part of the peak memory.
-        optimizer = torch.optim.Adam(self.parameters(), lr=hp.lr, eps=hp.adam_eps,
-                                     fused=self.device.type == "cuda" or None)
+        optimizer = adam(self.parameters(), lr=hp.lr, eps=hp.adam_eps, placement=hp.adam_eps_placement,
+                         fused=self.device.type == "cuda" or None)
         # The authors' thresholds are in P@3 as a fraction; our metrics are in percent. Keras's ReduceLROnPlateau
         # (theirs) halves once `patience` epochs in a row fail to improve, torch's only after patience + 1.
         scheduler = torch.optim.lr_scheduler.ReduceLROnPlateau(

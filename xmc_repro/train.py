@@ -97,6 +97,7 @@ def build_model(cfg: DictConfig, dm) -> XMCClassifier:
         loss=OmegaConf.to_container(cfg.loss, resolve=True),
         lr=t.lr,
         adam_eps=float(t.get("adam_eps", 1e-7)),
+        adam_eps_placement=t.get("adam_eps_placement", "torch"),  # absent: a run from before the setting
         lr_factor=t.lr_factor,
         lr_patience=t.lr_patience,
         lr_threshold=t.lr_threshold,

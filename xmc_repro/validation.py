@@ -25,6 +25,7 @@ _SPARSE_OP_HEADS = ("uniform", "mach")  # heads that run the uniform op (MACH de
 INITS = ("authors", "fan_in")  # model.init: the authors' Keras initialisation, or torch's nn.Linear bounds
 REWIRE_SCHEDULES = ("authors", "multiples")  # model.rewire_schedule: after steps 1, N+1, ... or N, 2N, ...
 RESTORE_BEST = ("early_stop", "always")  # trainer.restore_best: when the best epoch's weights are tested
+EPS_PLACEMENTS = ("keras", "torch")  # trainer.adam_eps_placement: Adam's epsilon before or after the bias correction
 # Lightning's precisions (its short names too) and accelerators, refused here in one line rather than by Lightning
 PRECISIONS = ("32-true", "bf16-mixed", "16-mixed", "64-true", "bf16-true", "16-true", "32", "bf16", "16", "64")
 ACCELERATORS = ("auto", "cpu", "gpu", "cuda", "mps", "tpu")
@@ -115,6 +116,8 @@ def validate(cfg: DictConfig) -> None:
     number(cfg, t + "early_stop_min_delta", low=0)
     # absent in a run's config from before the setting: that run restored its best epoch always
     choice(OmegaConf.select(cfg, t + "restore_best", default="always"), t + "restore_best", RESTORE_BEST)
+    # absent in a run's config from before the setting: that run used torch's Adam
+    choice(OmegaConf.select(cfg, t + "adam_eps_placement", default="torch"), t + "adam_eps_placement", EPS_PLACEMENTS)
     _optional_positive(cfg, t + "shuffle_buffer", "or null for a uniform permutation every epoch")
     _limit_train_batches(cfg)
     choice(str(OmegaConf.select(cfg, t + "precision")), t + "precision", PRECISIONS)

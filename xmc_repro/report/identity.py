@@ -44,8 +44,9 @@ SETTINGS = (
     "model/init", "model/distinct_sources", "model/rewire_exact_count", "model/rewire_fraction",
     "model/rewire_schedule", "model/bottleneck_activation", "model/mach/decode", "dataset/dropout",
     "dataset/normalize", "dataset/rewire_every_n_steps", "dataset/rewire_every_epoch", "trainer/max_epochs",
-    "trainer/lr", "trainer/adam_eps", "trainer/batch_size", "trainer/lr_factor", "trainer/lr_patience",
-    "trainer/lr_threshold", "trainer/min_lr", "trainer/early_stop_patience", "trainer/early_stop_min_delta",
+    "trainer/lr", "trainer/adam_eps", "trainer/adam_eps_placement", "trainer/batch_size", "trainer/lr_factor",
+    "trainer/lr_patience", "trainer/lr_threshold", "trainer/min_lr", "trainer/early_stop_patience",
+    "trainer/early_stop_min_delta",
     "trainer/restore_best", "trainer/shuffle_buffer", "trainer/limit_train_batches", "trainer/train_eval_max_points",
     "validate_on",
 )  # fmt: skip

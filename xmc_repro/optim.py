@@ -1,0 +1,41 @@
+"""Adam as Keras applies it (the authors' optimizer).
+
+Keras adds its epsilon to sqrt(v) before the bias correction ("epsilon hat" in Kingma & Ba, end of section 2):
+
+    p -= lr * sqrt(1 - b2^t) / (1 - b1^t) * m / (sqrt(v) + eps)
+
+torch adds it after. Both are the same update once torch's epsilon is eps / sqrt(1 - b2^t): 32 times Keras's at
+the first step, 2.7 times after 153 steps (one Bibtex epoch), within 1 % of it from step 3,925 on. `KerasAdam`
+sets that epsilon before each of torch's own steps (fused on CUDA), from a step count kept on the host, so nothing
+is read back from the device.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+class KerasAdam(torch.optim.Adam):
+    """torch's Adam with Keras's placement of `eps`. The step count and Keras's epsilon live in each parameter
+    group, so they are saved and restored with the optimizer's state (a resumed run goes on where it stopped)."""
+
+    def __init__(self, params, eps: float = 1e-7, **adam_settings):
+        super().__init__(params, eps=eps, **adam_settings)
+        self.defaults.update(keras_eps=eps, keras_steps=0)  # for groups added later
+        for group in self.param_groups:
+            group.setdefault("keras_eps", eps)
+            group.setdefault("keras_steps", 0)
+
+    def step(self, closure=None):
+        for group in self.param_groups:
+            group["keras_steps"] += 1
+            group["eps"] = group["keras_eps"] / math.sqrt(1.0 - group["betas"][1] ** group["keras_steps"])
+        return super().step(closure)
+
+
+def adam(params, lr: float, eps: float, placement: str, fused: bool | None) -> torch.optim.Adam:
+    """Adam with `eps` placed as `placement` says: "keras" (added before the bias correction) or "torch"."""
+    kind = KerasAdam if placement == "keras" else torch.optim.Adam
+    return kind(params, lr=lr, eps=eps, fused=fused)
