@@ -116,6 +116,17 @@ def test_the_best_checkpoint_and_early_stopping_watch_val_p3_as_the_config_says(
     assert (stop.monitor, stop.patience) == ("val/p_at_3", 4)
 
 
+def test_the_configured_optimizer_is_keras_adam_and_an_older_runs_config_keeps_torchs():
+    from xmc_repro.optim import KerasAdam
+
+    cfg = _compose([])
+    assert isinstance(build_model(cfg, _fake_data()).configure_optimizers()["optimizer"], KerasAdam)
+    OmegaConf.set_struct(cfg, False)
+    del cfg.trainer["adam_eps_placement"]  # a run's stored config from before the setting
+    validate(cfg)
+    assert type(build_model(cfg, _fake_data()).configure_optimizers()["optimizer"]) is torch.optim.Adam
+
+
 class LowRankHead(nn.Sequential):
     """The README's example of a new head: its settings are the constructor's keyword arguments."""
 
