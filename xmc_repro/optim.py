@@ -18,20 +18,14 @@ import torch
 
 
 class KerasAdam(torch.optim.Adam):
-    """torch's Adam with Keras's placement of `eps`. The step count and Keras's epsilon live in each parameter
+    """torch's Adam with Keras's placement of `eps`. Keras's epsilon and the step count live in each parameter
     group, so they are saved and restored with the optimizer's state (a resumed run goes on where it stopped)."""
-
-    def __init__(self, params, eps: float = 1e-7, **adam_settings):
-        super().__init__(params, eps=eps, **adam_settings)
-        self.defaults.update(keras_eps=eps, keras_steps=0)  # for groups added later
-        for group in self.param_groups:
-            group.setdefault("keras_eps", eps)
-            group.setdefault("keras_steps", 0)
 
     def step(self, closure=None):
         for group in self.param_groups:
-            group["keras_steps"] += 1
-            group["eps"] = group["keras_eps"] / math.sqrt(1.0 - group["betas"][1] ** group["keras_steps"])
+            keras_eps = group.setdefault("keras_eps", group["eps"])  # the group's own epsilon, before the first step
+            group["keras_steps"] = group.get("keras_steps", 0) + 1
+            group["eps"] = keras_eps / math.sqrt(1.0 - group["betas"][1] ** group["keras_steps"])
         return super().step(closure)
 
 
