@@ -137,6 +137,13 @@ def test_keras_adam_is_the_keras_update_and_resumes_where_it_stopped(device):
     torch.testing.assert_close(got, expected, rtol=1e-10, atol=0)
     torch_adam, _ = run(torch.optim.Adam, grads)  # eps after the bias correction: another update
     assert (torch_adam - expected).abs().max() > 0.1 * (expected - start).abs().max()
+    # torch's step hooks run once a step (Adam's own step is wrapped with them too, once an Adam exists)
+    hooked, calls = nn.Parameter(torch.zeros(2)), []
+    optimizer = KerasAdam([hooked])
+    optimizer.register_step_pre_hook(lambda *_: calls.append(1))
+    hooked.grad = torch.ones(2)
+    optimizer.step()
+    assert calls == [1]
     # a resumed run: the step count comes back with the optimizer's state
     half, optimizer = run(KerasAdam, grads[:3])
     resumed, _ = run(KerasAdam, grads[3:], param=nn.Parameter(half.clone().to(device)), state=optimizer.state_dict())

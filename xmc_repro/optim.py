@@ -21,12 +21,19 @@ class KerasAdam(torch.optim.Adam):
     """torch's Adam with Keras's placement of `eps`. Keras's epsilon and the step count live in each parameter
     group, so they are saved and restored with the optimizer's state (a resumed run goes on where it stopped)."""
 
-    def step(self, closure=None):
-        for group in self.param_groups:
-            keras_eps = group.setdefault("keras_eps", group["eps"])  # the group's own epsilon, before the first step
-            group["keras_steps"] = group.get("keras_steps", 0) + 1
-            group["eps"] = keras_eps / math.sqrt(1.0 - group["betas"][1] ** group["keras_steps"])
-        return super().step(closure)
+    def __init__(self, params, **adam_settings):
+        super().__init__(params, **adam_settings)
+        # A step pre-hook rather than an override of `step`: torch wraps every optimizer class's `step` with the
+        # hooks, so an override that calls Adam's would run each hook twice.
+        self.register_step_pre_hook(_keras_epsilon)
+
+
+def _keras_epsilon(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
+    """Before step t: torch's epsilon that makes its update Keras's."""
+    for group in optimizer.param_groups:
+        keras_eps = group.setdefault("keras_eps", group["eps"])  # the group's own epsilon, before the first step
+        group["keras_steps"] = group.get("keras_steps", 0) + 1
+        group["eps"] = keras_eps / math.sqrt(1.0 - group["betas"][1] ** group["keras_steps"])
 
 
 def adam(params, lr: float, eps: float, placement: str, fused: bool | None) -> torch.optim.Adam:
