@@ -28,6 +28,7 @@ from xmc_repro.metrics import inverse_propensity
 from xmc_repro.model import NonFiniteLossError, XMCClassifier, instantiate_with
 from xmc_repro.resume import CHECKPOINT_ROOT, prepare
 from xmc_repro.tracking import RunTracker, device_name, git_commit
+from xmc_repro.validation import BEFORE_THE_SETTING
 from xmc_repro.validation import validate as validate_values
 
 
@@ -97,7 +98,7 @@ def build_model(cfg: DictConfig, dm) -> XMCClassifier:
         loss=OmegaConf.to_container(cfg.loss, resolve=True),
         lr=t.lr,
         adam_eps=float(t.get("adam_eps", 1e-7)),
-        adam_eps_placement=t.get("adam_eps_placement", "torch"),  # absent: a run from before the setting
+        adam_eps_placement=t.get("adam_eps_placement", BEFORE_THE_SETTING["adam_eps_placement"]),
         lr_factor=t.lr_factor,
         lr_patience=t.lr_patience,
         lr_threshold=t.lr_threshold,
@@ -304,8 +305,7 @@ def _fit_and_test(cfg, tracker, checkpoint_dir: Path, resume_from: Path | None, 
     trainer.fit(model, datamodule=dm, ckpt_path=resume_from)
 
     best = callbacks["best"].best_model_path
-    # A run resumed from before the setting existed restored its best epoch always.
-    if best and restores_best(t.get("restore_best", "always"), callbacks.get("early_stop")):
+    if best and restores_best(t.get("restore_best", BEFORE_THE_SETTING["restore_best"]), callbacks.get("early_stop")):
         # Via the host: the checkpoint also holds Adam's moments, which must not count as GPU memory.
         model.load_state_dict(checkpoints.load_checked(best, model, "best checkpoint")["state_dict"])
         tested_weights = "best epoch"

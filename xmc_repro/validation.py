@@ -26,6 +26,8 @@ INITS = ("authors", "fan_in")  # model.init: the authors' Keras initialisation, 
 REWIRE_SCHEDULES = ("authors", "multiples")  # model.rewire_schedule: after steps 1, N+1, ... or N, 2N, ...
 RESTORE_BEST = ("early_stop", "always")  # trainer.restore_best: when the best epoch's weights are tested
 EPS_PLACEMENTS = ("keras", "torch")  # trainer.adam_eps_placement: Adam's epsilon before or after the bias correction
+# The value a run's stored config implies when it predates the setting: how that run trained (and resumes).
+BEFORE_THE_SETTING = {"restore_best": "always", "adam_eps_placement": "torch"}
 # Lightning's precisions (its short names too) and accelerators, refused here in one line rather than by Lightning
 PRECISIONS = ("32-true", "bf16-mixed", "16-mixed", "64-true", "bf16-true", "16-true", "32", "bf16", "16", "64")
 ACCELERATORS = ("auto", "cpu", "gpu", "cuda", "mps", "tpu")
@@ -114,10 +116,8 @@ def validate(cfg: DictConfig) -> None:
     number(cfg, t + "lr_threshold", low=0)
     number(cfg, t + "early_stop_patience", int, low=0, fix="epochs without improvement before stopping")
     number(cfg, t + "early_stop_min_delta", low=0)
-    # absent in a run's config from before the setting: that run restored its best epoch always
-    choice(OmegaConf.select(cfg, t + "restore_best", default="always"), t + "restore_best", RESTORE_BEST)
-    # absent in a run's config from before the setting: that run used torch's Adam
-    choice(OmegaConf.select(cfg, t + "adam_eps_placement", default="torch"), t + "adam_eps_placement", EPS_PLACEMENTS)
+    for key, choices in (("restore_best", RESTORE_BEST), ("adam_eps_placement", EPS_PLACEMENTS)):
+        choice(OmegaConf.select(cfg, t + key, default=BEFORE_THE_SETTING[key]), t + key, choices)
     _optional_positive(cfg, t + "shuffle_buffer", "or null for a uniform permutation every epoch")
     _limit_train_batches(cfg)
     choice(str(OmegaConf.select(cfg, t + "precision")), t + "precision", PRECISIONS)

@@ -46,9 +46,8 @@ SETTINGS = (
     "dataset/normalize", "dataset/rewire_every_n_steps", "dataset/rewire_every_epoch", "trainer/max_epochs",
     "trainer/lr", "trainer/adam_eps", "trainer/adam_eps_placement", "trainer/batch_size", "trainer/lr_factor",
     "trainer/lr_patience", "trainer/lr_threshold", "trainer/min_lr", "trainer/early_stop_patience",
-    "trainer/early_stop_min_delta",
-    "trainer/restore_best", "trainer/shuffle_buffer", "trainer/limit_train_batches", "trainer/train_eval_max_points",
-    "validate_on",
+    "trainer/early_stop_min_delta", "trainer/restore_best", "trainer/shuffle_buffer", "trainer/limit_train_batches",
+    "trainer/train_eval_max_points", "validate_on",
 )  # fmt: skip
 NO_SCALE = "none"  # a run tagged with a table but launched without a scale
 
