@@ -409,10 +409,20 @@ def test_lightning_checkpoint_resumes_mid_epoch_with_the_same_batches(tmp_path):
     assert resumed.seen == full.seen[10:]
 
 
+def _window_shuffle_step_by_step(n: int, buffer: int, rng: np.random.Generator) -> np.ndarray:
+    """tf.data's shuffle(buffer) written as it runs: the reference for the vectorised ``buffered_shuffle``."""
+    out, pool = [], list(range(buffer))
+    for i, slot in enumerate(rng.integers(0, buffer, size=n - buffer).tolist()):
+        out.append(pool[slot])
+        pool[slot] = buffer + i
+    return np.array(out + rng.permutation(pool).tolist())
+
+
 def test_buffered_shuffle_is_tf_datas_window_shuffle():
     rng = lambda: np.random.default_rng([3, 0])  # noqa: E731
-    for n, buffer in ((1000, 64), (1000, 1), (257, 256)):
+    for n, buffer in ((1000, 64), (1000, 1), (257, 256), (2, 1), (5003, 17)):
         order = buffered_shuffle(n, buffer, rng())
+        np.testing.assert_array_equal(order, _window_shuffle_step_by_step(n, buffer, rng()))
         assert sorted(order.tolist()) == list(range(n))
         # a point leaves the buffer only after it entered: position i holds one of the first i + buffer points
         assert (order < np.arange(n) + buffer).all()

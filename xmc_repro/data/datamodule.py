@@ -67,12 +67,20 @@ def buffered_shuffle(n: int, buffer: int | None, rng: np.random.Generator) -> np
     early. With `buffer` None or >= n: ``rng.permutation(n)``, a uniform permutation."""
     if buffer is None or buffer >= n:
         return rng.permutation(n)
+    # While the input lasts, step i takes the point in a random slot and refills the slot with point buffer + i.
+    # So step i yields what the last earlier step with the same slot put there, or the slot's first point:
+    # found for all steps at once by grouping the steps by slot (stable, so in step order within a slot).
+    slots = rng.integers(0, buffer, size=n - buffer)
+    by_slot = np.argsort(slots, kind="stable")
+    slot = slots[by_slot]
+    first = np.ones(len(slot), bool)
+    first[1:] = slot[1:] != slot[:-1]
     out = np.empty(n, np.int64)
-    pool = list(range(buffer))
-    for i, slot in enumerate(rng.integers(0, buffer, size=n - buffer).tolist()):  # the buffer stays full
-        out[i] = pool[slot]
-        pool[slot] = buffer + i
-    out[n - buffer:] = rng.permutation(pool)  # the input is spent: the buffer drains in random order
+    out[by_slot] = np.where(first, slot, buffer + np.roll(by_slot, 1))
+    pool = np.arange(buffer)  # what the buffer holds when the input is spent
+    last = np.roll(first, -1)
+    pool[slot[last]] = buffer + by_slot[last]
+    out[n - buffer:] = rng.permutation(pool)  # then the buffer drains in random order
     return out
 
 
