@@ -149,6 +149,28 @@ def test_runs_that_change_a_training_setting_are_their_own_rows_not_seeds_or_rer
     assert read_runs_csv(tmp_path / "runs.csv")[0]["settings"] == "init=authors; lr=0.001"
 
 
+def test_a_run_that_predates_a_setting_shows_the_value_it_trained_with_or_unknown(store, tmp_path):
+    base = {**params_of(BIBTEX, "uniform", 32), "model/init": "authors", "trainer/adam_eps_placement": "keras"}
+    older = {k: v for k, v in base.items() if k != "trainer/adam_eps_placement"}  # it trained with torch's Adam
+    log_run(store, older, metrics_of(10.0), table="differences", start=10)
+    log_run(store, {**base, "seed": "1"}, metrics_of(20.0), table="differences", start=11)
+    log_run(store, {**base, "trainer/adam_eps_placement": "torch", "seed": "1"}, metrics_of(30.0),
+            table="differences", start=12)
+    # no value is known for a run before `model.init` existed
+    other = params_of(BIBTEX, "uniform", 64)
+    for start, init in ((13, None), (14, "authors"), (15, "fan_in")):
+        log_run(store, {**other, "model/init": init} if init else other, metrics_of(start), table="differences",
+                start=start)
+    rows = export(tmp_path / "runs.csv", store)
+    assert {(r["connectivity"], r["settings"]): (r["seeds"], float(r["test_p1"])) for r in rows} == {
+        ("32", "adam_eps_placement=torch"): ("0;1", 20.0),
+        ("32", "adam_eps_placement=keras"): ("1", 20.0),
+        ("64", "init=?"): ("0", 13.0),
+        ("64", "init=authors"): ("0", 14.0),
+        ("64", "init=fan_in"): ("0", 15.0),
+    }
+
+
 def test_params_logged_under_dotted_hydra_keys_read_the_same(store, tmp_path):
     dotted = {key.replace("/", "."): value for key, value in params_of(BIBTEX, "uniform", 32, 256).items()}
     log_run(store, dotted, metrics_of(40.0))

@@ -9,6 +9,8 @@ configuration into that name, so that published and measured values can stand si
 
 from __future__ import annotations
 
+from xmc_repro.validation import BEFORE_THE_SETTING
+
 # The paper's datasets and feature sets -> our config of it (conf/dataset/<name>.yaml), which also names figures.
 # Our configs carry the paper's names (`dataset.name`, `dataset.features`); the smoke scale's stand-ins
 # (conf/dataset/smoke_*.yaml) are named `Smoke-<the paper's name>` with the features they stand in for.
@@ -49,6 +51,8 @@ SETTINGS = (
     "trainer/early_stop_min_delta", "trainer/restore_best", "trainer/shuffle_buffer", "trainer/limit_train_batches",
     "trainer/train_eval_max_points", "validate_on",
 )  # fmt: skip
+# What a run that predates one of these settings trained with (both are trainer settings).
+IMPLIED_BEFORE_THE_SETTING = {f"trainer/{key}": value for key, value in BEFORE_THE_SETTING.items()}
 NO_SCALE = "none"  # a run tagged with a table but launched without a scale
 
 
@@ -93,7 +97,8 @@ def setting_name(key: str) -> str:
 def split_by_settings(configs: list[dict], params: list[dict]) -> None:
     """Fill the `settings` of each run's configuration (``configs[i]`` is the run with ``params[i]``) outside the
     `DEFAULT_SETTINGS_TABLES`: the values of the `SETTINGS` in which runs of the same configuration differ. A run
-    that does not log a setting (it predates it) differs from none in it; where others differ in it, it shows `?`."""
+    that does not log a setting (it predates it) differs from none in it; where others differ in it, it shows the
+    value it trained with where that is known (`IMPLIED_BEFORE_THE_SETTING`), else `?`."""
     groups: dict[tuple, list[int]] = {}
     for i, config in enumerate(configs):
         if config["table"] not in DEFAULT_SETTINGS_TABLES:
@@ -101,7 +106,12 @@ def split_by_settings(configs: list[dict], params: list[dict]) -> None:
     for members in groups.values():
         differ = [key for key in SETTINGS if len({_value(params[i], key) for i in members} - {""}) > 1]
         for i in members:
-            configs[i]["settings"] = "; ".join(f"{setting_name(key)}={_value(params[i], key) or '?'}" for key in differ)
+            configs[i]["settings"] = "; ".join(f"{setting_name(key)}={_setting(params[i], key)}" for key in differ)
+
+
+def _setting(params: dict, key: str) -> str:
+    logged = key in params or key.replace("/", ".") in params
+    return (_value(params, key) if logged else IMPLIED_BEFORE_THE_SETTING.get(key, "")) or "?"
 
 
 def config_key(config: dict) -> tuple[str, ...]:
