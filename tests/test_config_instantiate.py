@@ -127,6 +127,15 @@ def test_the_configured_optimizer_is_keras_adam_and_an_older_runs_config_keeps_t
     assert type(build_model(cfg, _fake_data()).configure_optimizers()["optimizer"]) is torch.optim.Adam
 
 
+def test_the_unstructured_head_draws_with_replacement_and_an_older_runs_config_keeps_distinct_positions():
+    cfg = _compose(["model=unstructured"])
+    assert build_model(cfg, _fake_data()).head.distinct_sources is False
+    OmegaConf.set_struct(cfg, False)
+    del cfg.model["distinct_sources"]  # a run's stored config from before the setting
+    validate(cfg)
+    assert build_model(cfg, _fake_data()).head.distinct_sources is True
+
+
 class LowRankHead(nn.Sequential):
     """The README's example of a new head: its settings are the constructor's keyword arguments."""
 

@@ -90,10 +90,13 @@ def build_model(cfg: DictConfig, dm) -> XMCClassifier:
     """The classifier of `model` (its head: `model._target_`) and `loss`, trained as `trainer` says."""
     t = cfg.trainer
     inv_prop = inverse_propensity(dm.train_label_counts, cfg.dataset.propensity.A, cfg.dataset.propensity.B)
+    model = OmegaConf.to_container(cfg.model, resolve=True)
+    if model.get("head") == "unstructured":  # a run resumed from before its head had the setting: distinct positions
+        model.setdefault("distinct_sources", True)
     return XMCClassifier(
         num_features=dm.num_features,
         num_labels=dm.num_labels,
-        **OmegaConf.to_container(cfg.model, resolve=True),
+        **model,
         dropout=float(cfg.dataset.dropout),
         loss=OmegaConf.to_container(cfg.loss, resolve=True),
         lr=t.lr,

@@ -11,8 +11,8 @@ from xmc_repro.validation import INITS
 
 from .checks import check_layer_sizes
 from .op import uniform_sparse_linear
-from .rewire import (distinct_positions, lowest_magnitude, redraw_sources_, redraw_with_replacement_,
-                     sample_uniform_sources)
+from .rewire import (distinct_positions, lowest_magnitude, random_positions, redraw_sources_,
+                     redraw_with_replacement_, sample_uniform_sources)
 
 
 def _csr(crow, col, values, shape):
@@ -104,24 +104,49 @@ class UniformSparseLinear(nn.Module):
 
 
 class _Structure:
-    """CSR views of a connection list: rows sorted for W, columns sorted for W^T."""
+    """CSR views of a connection list: rows sorted for W, columns sorted for W^T.
+
+    Slots at the same (row, column) are one entry of the matrices, whose value is the sum of theirs: summed here
+    in slot order (``values``), since torch's sparse kernels do not promise to sum repeated entries; each of
+    them gets the entry's gradient (``slot_grads``).
+    """
 
     def __init__(self, rows: torch.Tensor, cols: torch.Tensor, out_features: int, in_features: int):
         self.shape = (out_features, in_features)
-        flat = rows * in_features + cols
-        self.perm = torch.argsort(flat)  # slot order -> CSR order of W
-        self.crow = torch.ops.aten._convert_indices_from_coo_to_csr(rows[self.perm], out_features)
-        self.col = cols[self.perm].contiguous()
-        flat_t = cols * out_features + rows
-        self.perm_t = torch.argsort(flat_t)  # slot order -> CSR order of W^T
+        flat, self.perm = torch.sort(rows * in_features + cols, stable=True)  # CSR order of W, slots in order
+        starts = torch.ones_like(flat, dtype=torch.bool)
+        starts[1:] = flat[1:] != flat[:-1]
+        self.entry = starts.cumsum(0) - 1  # CSR position -> its entry
+        self.first = starts.nonzero().squeeze(1)  # entry -> its first CSR position
+        # CSR positions that repeat an entry, by their rank in it: each group adds at most once to an entry
+        rank = torch.arange(flat.numel(), device=flat.device) - self.first[self.entry]
+        self.repeats = [(rank == r).nonzero().squeeze(1) for r in range(1, int(rank.max()) + 1)] if len(rank) else []
+        flat = flat[self.first]
+        rows, cols = flat // in_features, flat % in_features
+        self.crow = torch.ops.aten._convert_indices_from_coo_to_csr(rows, out_features)
+        self.col = cols.contiguous()
+        self.perm_t = torch.argsort(cols * out_features + rows)  # entry -> CSR order of W^T
         self.crow_t = torch.ops.aten._convert_indices_from_coo_to_csr(cols[self.perm_t], in_features)
         self.col_t = rows[self.perm_t].contiguous()
 
-    def matrix(self, values: torch.Tensor) -> torch.Tensor:
-        return _csr(self.crow, self.col, values[self.perm], self.shape)
+    def values(self, slot_values: torch.Tensor) -> torch.Tensor:
+        """The entries of W in CSR order."""
+        in_csr_order = slot_values[self.perm]
+        entries = in_csr_order[self.first]
+        for at in self.repeats:
+            entries = entries.index_add(0, self.entry[at], in_csr_order[at])
+        return entries
 
-    def matrix_t(self, values: torch.Tensor) -> torch.Tensor:
-        return _csr(self.crow_t, self.col_t, values[self.perm_t], (self.shape[1], self.shape[0]))
+    def slot_grads(self, entry_grads: torch.Tensor) -> torch.Tensor:
+        grads = entry_grads.new_empty(self.perm.shape)
+        grads[self.perm] = entry_grads[self.entry]
+        return grads
+
+    def matrix(self, entries: torch.Tensor) -> torch.Tensor:
+        return _csr(self.crow, self.col, entries, self.shape)
+
+    def matrix_t(self, entries: torch.Tensor) -> torch.Tensor:
+        return _csr(self.crow_t, self.col_t, entries[self.perm_t], (self.shape[1], self.shape[0]))
 
 
 class _CsrLinear(torch.autograd.Function):
@@ -129,22 +154,22 @@ class _CsrLinear(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, values, structure: _Structure):
-        ctx.save_for_backward(x, values)
+        entries = structure.values(values)
+        ctx.save_for_backward(x, entries)
         ctx.structure = structure
-        return (structure.matrix(values) @ x.t()).t()
+        return (structure.matrix(entries) @ x.t()).t()
 
     @staticmethod
     def backward(ctx, grad):
-        x, values = ctx.saved_tensors
+        x, entries = ctx.saved_tensors
         s = ctx.structure
         grad_x = grad_values = None
         if ctx.needs_input_grad[0]:
-            grad_x = (s.matrix_t(values) @ grad.t()).t()
+            grad_x = (s.matrix_t(entries) @ grad.t()).t()
         if ctx.needs_input_grad[1]:
-            pattern = _csr(s.crow, s.col, torch.zeros_like(values), s.shape)
+            pattern = _csr(s.crow, s.col, torch.zeros_like(entries), s.shape)
             sampled = torch.sparse.sampled_addmm(pattern, grad.t().contiguous(), x.contiguous(), beta=0.0)
-            grad_values = torch.empty_like(values)
-            grad_values[s.perm] = sampled.values()
+            grad_values = s.slot_grads(sampled.values())
         return grad_x, grad_values, None
 
 
@@ -163,19 +188,25 @@ class UnstructuredSparseLinear(nn.Module):
     Parameters: ``weight`` (nnz,) values, ``bias``; buffer ``indices`` (2, nnz) int64 = (label, input)
     per slot. Runs on torch CSR tensors (cuSPARSE on GPU) with a hand-written backward that never
     forms a dense (out, in) gradient. Initialisation as ``UniformSparseLinear`` (for ``fan_in``: the
-    average number of inputs per label). Positions are always distinct (the authors' layer draws them with
-    replacement; a CSR matrix with repeated entries is not something torch's sparse kernels promise to sum).
+    average number of inputs per label).
+
+    As in the authors' layer, positions are drawn with replacement, initially and at rewiring, so a label may
+    read an input through two slots: their weights add up (``_Structure``). ``distinct_sources=True`` keeps every
+    position distinct instead.
     """
 
     cuda_graph_safe = False  # rewiring rebuilds the CSR structure in new tensors, which a captured step would miss
 
     def __init__(self, in_features: int, out_features: int, connectivity: int, bias: bool = True,
-                 generator: torch.Generator | None = None, init: str = "authors"):
+                 generator: torch.Generator | None = None, init: str = "authors", distinct_sources: bool = False):
         super().__init__()
         check_layer_sizes(in_features, out_features, connectivity)
         self.in_features, self.out_features, self.connectivity = in_features, out_features, connectivity
-        nnz = connectivity * out_features
-        flat = distinct_positions(nnz, out_features * in_features, generator, device="cpu").sort().values
+        self.distinct_sources = distinct_sources
+        nnz, total = connectivity * out_features, out_features * in_features
+        draw = distinct_positions if distinct_sources else random_positions
+        flat = draw(nnz, total, generator, device="cpu")
+        flat = flat.sort().values
         self.register_buffer("indices", torch.stack([flat // in_features, flat % in_features]))
         self.weight = nn.Parameter(torch.empty(nnz))
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
@@ -206,16 +237,20 @@ class UnstructuredSparseLinear(nn.Module):
     @torch.no_grad()
     def rewire(self, fraction: float, generator: torch.Generator | None = None,
                exact_count: bool = False) -> torch.Tensor:
-        """Move the globally lowest-|weight| ``fraction`` of connections to new uniformly random free
-        (label, input) positions (SET); values are kept. Returns the rewired slots' sorted positions
-        into ``self.weight.view(-1)``."""
+        """Move the globally lowest-|weight| ``fraction`` of connections to new uniformly random (label, input)
+        positions (SET), free ones if ``distinct_sources``; values are kept. Returns the rewired slots' sorted
+        positions into ``self.weight.view(-1)``."""
         positions = lowest_magnitude(self.weight, fraction, exact_count)
         if positions.numel():
-            flat = self.indices[0] * self.in_features + self.indices[1]
-            keep = torch.ones_like(flat, dtype=torch.bool)
-            keep[positions] = False
-            new = distinct_positions(positions.numel(), self.out_features * self.in_features, generator,
-                                     taken=flat[keep].sort().values, device=flat.device)
+            total = self.out_features * self.in_features
+            if self.distinct_sources:
+                flat = self.indices[0] * self.in_features + self.indices[1]
+                keep = torch.ones_like(flat, dtype=torch.bool)
+                keep[positions] = False
+                new = distinct_positions(positions.numel(), total, generator, taken=flat[keep].sort().values,
+                                         device=flat.device)
+            else:
+                new = random_positions(positions.numel(), total, generator, self.indices.device)
             self.indices[0, positions] = new // self.in_features
             self.indices[1, positions] = new % self.in_features
             self._structure = None

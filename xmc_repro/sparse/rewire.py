@@ -192,6 +192,11 @@ def lowest_magnitude(weight: torch.Tensor, fraction: float, exact_count: bool = 
     return torch.cat([below, torch.cat(ties)[:count - below.numel()]]).sort().values
 
 
+def random_positions(count: int, total: int, generator: torch.Generator | None = None, device=None) -> torch.Tensor:
+    """``count`` random integers in [0, total), drawn independently (a value may repeat), int64."""
+    return _draw(count, total, generator, device)
+
+
 def distinct_positions(count: int, total: int, generator: torch.Generator | None = None,
                        taken: torch.Tensor | None = None, device=None) -> torch.Tensor:
     """``count`` distinct random integers in [0, total) that avoid the sorted ``taken`` ones (int64)."""
