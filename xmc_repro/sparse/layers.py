@@ -205,8 +205,7 @@ class UnstructuredSparseLinear(nn.Module):
         self.distinct_sources = distinct_sources
         nnz, total = connectivity * out_features, out_features * in_features
         draw = distinct_positions if distinct_sources else random_positions
-        flat = draw(nnz, total, generator, device="cpu")
-        flat = flat.sort().values
+        flat = draw(nnz, total, generator, device="cpu").sort().values
         self.register_buffer("indices", torch.stack([flat // in_features, flat % in_features]))
         self.weight = nn.Parameter(torch.empty(nnz))
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
