@@ -237,3 +237,4 @@ def test_a_run_is_tested_with_the_weights_the_authors_would_test(tmp_path, setti
     assert run.data.tags["tested_weights"] == tested
     expected = history[-1] if tested == "last epoch" else max(history)
     assert run.data.metrics["test/p_at_3"] == pytest.approx(expected, abs=1e-3)  # validate_on=test
+    assert 0 <= run.data.metrics["sparse/repeated_connections_pct"] < 50  # the uniform head's, drawn with replacement

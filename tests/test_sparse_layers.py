@@ -8,7 +8,7 @@ import torch
 from conftest import DEVICES
 from conftest import generator as _gen
 
-from xmc_repro.sparse import UniformSparseLinear, UnstructuredSparseLinear
+from xmc_repro.sparse import UniformSparseLinear, UnstructuredSparseLinear, repeated_connections_pct
 from xmc_repro.sparse import reference as ref
 from xmc_repro.sparse import rewire
 from xmc_repro.sparse.rewire import lowest_magnitude, redraw_sources, redraw_sources_, sample_uniform_sources
@@ -218,7 +218,20 @@ def _dense_unstructured(layer, weight):
 
 def _repeats(layer) -> int:
     """How often the most repeated (label, input) position occurs."""
-    return int((layer.indices[0] * layer.in_features + layer.indices[1]).unique(return_counts=True)[1].max())
+    return int(layer.positions().unique(return_counts=True)[1].max())
+
+
+def test_repeated_connections_are_counted_beyond_the_first_at_each_position():
+    uniform = UniformSparseLinear(5, 3, 4, generator=_gen(0))
+    uniform.indices.copy_(torch.tensor([[0, 1, 2], [0, 1, 3], [0, 4, 4], [1, 4, 0]], dtype=torch.int32))
+    # label 0 reads input 0 three times, label 1 inputs 1 and 4 twice each, label 2 four distinct inputs
+    assert uniform.positions().tolist() == [0, 6, 12, 0, 6, 13, 0, 9, 14, 1, 9, 10]
+    unstructured = UnstructuredSparseLinear(5, 3, 2, generator=_gen(0))
+    unstructured.indices.copy_(torch.tensor([[0, 0, 0, 1, 2, 2], [1, 1, 1, 1, 3, 4]]))
+    assert unstructured.positions().tolist() == [1, 1, 1, 6, 13, 14]
+    assert repeated_connections_pct([uniform]) == pytest.approx(100 * 4 / 12)
+    assert repeated_connections_pct([unstructured]) == pytest.approx(100 * 2 / 6)
+    assert repeated_connections_pct([uniform, unstructured]) == pytest.approx(100 * 6 / 18)
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -249,7 +249,7 @@ def restores_best(restore_best: str, early_stop) -> bool:
 
 def _fit_and_test(cfg, tracker, checkpoint_dir: Path, resume_from: Path | None, progress: dict) -> dict:
     """Fit, then (with a tracker: on DDP rank 0 only) test and record; other ranks return {} after fit."""
-    from xmc_repro.sparse import backend
+    from xmc_repro.sparse import backend, repeated_connections_pct
 
     pl.seed_everything(int(cfg.seed), workers=True, verbose=False)
     dm = build_datamodule(
@@ -333,6 +333,8 @@ def _fit_and_test(cfg, tracker, checkpoint_dir: Path, resume_from: Path | None, 
     # Exact sizes of what training holds besides activations (Adam adds two moments per parameter).
     results["param_bytes"] = sum(p.numel() * p.element_size() for p in model.parameters())
     results["buffer_bytes"] = sum(b.numel() * b.element_size() for b in model.head.buffers())
+    if model.sparse_layers():  # drawn with replacement, an unstructured layer's connections pile up (README)
+        results["sparse/repeated_connections_pct"] = repeated_connections_pct(model.sparse_layers())
     tracker.log_metrics(results)
     tracker.finish("FINISHED")
     results["run_id"] = tracker.run_id

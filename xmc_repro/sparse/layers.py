@@ -98,6 +98,11 @@ class UniformSparseLinear(nn.Module):
                 redraw_with_replacement_(self.indices, redraw, self.in_features, generator)
         return positions
 
+    def positions(self) -> torch.Tensor:
+        """Where each connection is in the (label, input) matrix: label * in_features + input, int64."""
+        labels = torch.arange(self.out_features, device=self.indices.device)
+        return (self.indices.long() + labels * self.in_features).view(-1)
+
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
                 f"connectivity={self.connectivity}, bias={self.bias is not None}")
@@ -255,6 +260,18 @@ class UnstructuredSparseLinear(nn.Module):
             self._structure = None
         return positions
 
+    def positions(self) -> torch.Tensor:
+        """Where each connection is in the (label, input) matrix: label * in_features + input, int64."""
+        return self.indices[0] * self.in_features + self.indices[1]
+
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
                 f"connectivity={self.connectivity} (on average), bias={self.bias is not None}")
+
+
+def repeated_connections_pct(layers) -> float:
+    """Percent of the connections of `layers` that repeat another's position (the second and later connections of
+    a label to one input), as drawing with replacement makes them."""
+    positions = [layer.positions() for layer in layers]
+    total = sum(p.numel() for p in positions)
+    return 100.0 * sum(p.numel() - p.unique().numel() for p in positions) / max(total, 1)
