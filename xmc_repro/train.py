@@ -333,8 +333,9 @@ def _fit_and_test(cfg, tracker, checkpoint_dir: Path, resume_from: Path | None, 
     # Exact sizes of what training holds besides activations (Adam adds two moments per parameter).
     results["param_bytes"] = sum(p.numel() * p.element_size() for p in model.parameters())
     results["buffer_bytes"] = sum(b.numel() * b.element_size() for b in model.head.buffers())
-    if model.sparse_layers():  # drawn with replacement, an unstructured layer's connections pile up (README)
-        results["sparse/repeated_connections_pct"] = repeated_connections_pct(model.sparse_layers())
+    placed = [layer for layer in model.sparse_layers() if hasattr(layer, "positions")]  # a user's head may not say
+    if placed:  # drawn with replacement, an unstructured layer's connections pile up (README)
+        results["sparse/repeated_connections_pct"] = repeated_connections_pct(placed)
     tracker.log_metrics(results)
     tracker.finish("FINISHED")
     results["run_id"] = tracker.run_id
