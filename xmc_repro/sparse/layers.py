@@ -196,7 +196,7 @@ class UnstructuredSparseLinear(nn.Module):
     average number of inputs per label).
 
     As in the authors' layer, positions are drawn with replacement, initially and at rewiring, so a label may
-    read an input through two slots: their weights add up (``_Structure``). ``distinct_sources=True`` keeps every
+    read an input through several slots: their weights add up (``_Structure``). ``distinct_sources=True`` keeps every
     position distinct instead.
     """
 
