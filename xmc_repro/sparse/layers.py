@@ -118,15 +118,19 @@ class _Structure:
 
     def __init__(self, rows: torch.Tensor, cols: torch.Tensor, out_features: int, in_features: int):
         self.shape = (out_features, in_features)
-        flat, self.perm = torch.sort(rows * in_features + cols, stable=True)  # CSR order of W, slots in order
+        flat, perm = torch.sort(rows * in_features + cols, stable=True)  # CSR order of W, slots in order
         starts = torch.ones_like(flat, dtype=torch.bool)
         starts[1:] = flat[1:] != flat[:-1]
-        self.entry = starts.cumsum(0) - 1  # CSR position -> its entry
-        self.first = starts.nonzero().squeeze(1)  # entry -> its first CSR position
-        # CSR positions that repeat an entry, by their rank in it: each group adds at most once to an entry
-        rank = torch.arange(flat.numel(), device=flat.device) - self.first[self.entry]
-        self.repeats = [(rank == r).nonzero().squeeze(1) for r in range(1, int(rank.max()) + 1)] if len(rank) else []
-        flat = flat[self.first]
+        entry = starts.cumsum(0) - 1  # CSR position -> its entry
+        first = starts.nonzero().squeeze(1)  # entry -> its first CSR position
+        self.first_slot = perm[first]  # entry -> its first slot
+        self.slot_entry = torch.empty_like(entry)
+        self.slot_entry[perm] = entry  # slot -> its entry
+        # The other slots of an entry, by their rank in it, as (entry, slot): each rank adds at most once to an entry
+        rank = torch.arange(flat.numel(), device=flat.device) - first[entry]
+        at_rank = [(rank == r).nonzero().squeeze(1) for r in range(1, int(rank.max()) + 1)] if len(rank) else []
+        self.repeats = [(entry[at], perm[at]) for at in at_rank]
+        flat = flat[first]
         rows, cols = flat // in_features, flat % in_features
         self.crow = torch.ops.aten._convert_indices_from_coo_to_csr(rows, out_features)
         self.col = cols.contiguous()
@@ -135,17 +139,14 @@ class _Structure:
         self.col_t = rows[self.perm_t].contiguous()
 
     def values(self, slot_values: torch.Tensor) -> torch.Tensor:
-        """The entries of W in CSR order."""
-        in_csr_order = slot_values[self.perm]
-        entries = in_csr_order[self.first]
-        for at in self.repeats:
-            entries = entries.index_add(0, self.entry[at], in_csr_order[at])
+        """The entries of W in CSR order: one gather, plus one add per repeat rank."""
+        entries = slot_values[self.first_slot]
+        for entry, slot in self.repeats:
+            entries = entries.index_add(0, entry, slot_values[slot])
         return entries
 
     def slot_grads(self, entry_grads: torch.Tensor) -> torch.Tensor:
-        grads = entry_grads.new_empty(self.perm.shape)
-        grads[self.perm] = entry_grads[self.entry]
-        return grads
+        return entry_grads[self.slot_entry]
 
     def matrix(self, entries: torch.Tensor) -> torch.Tensor:
         return _csr(self.crow, self.col, entries, self.shape)
