@@ -87,6 +87,7 @@ def test_sparse_label_files(tmp_path):
     assert path.read_text().splitlines()[0] == "3 5"
     got = read_sparse_labels(path)
     assert got.to_lists() == [sorted(r) for r in lists] and got.num_labels == 5
+    assert got.unsorted_rows == 2  # counted as the file lists them: [3, 1] and [0, 4, 2] are out of order
     assert read_labels(path).to_lists() == got.to_lists()  # told apart from XC files by the header
     m = read_sparse_matrix(path)
     assert m.shape == (3, 5) and m.nnz == 5
@@ -98,6 +99,7 @@ def test_edge_cases(tmp_path):
     path.write_bytes(b"4 6 5\r\n 0:1 5:2\r\n2,2,0\n1\t3:0.5\n4 1:1e-3 1:1")
     d = read_xc(path)
     assert d.labels.to_lists() == [[], [0, 2], [1], [4]]
+    assert d.labels.unsorted_rows == 1  # "2,2,0": the repeat is no disorder, the fall to 0 is
     np.testing.assert_allclose(d.features.toarray()[3], [0, 1.001, 0, 0, 0, 0], rtol=1e-6)
     path.write_text("2 3 2\n0 0:1\n1 1:1\n\n\n")
     assert read_xc(path).labels.to_lists() == [[0], [1]]
@@ -165,6 +167,7 @@ def test_real_files(name, n, d, L, avg):
     assert data.labels.nnz / n == pytest.approx(avg, abs=1e-3)
     _, _, _, labels, rows = naive_parse(path)
     assert data.labels.to_lists() == labels
+    assert data.labels.unsorted_rows == 0  # so the authors' P@k (it assumes sorted labels) counts as ours here
     assert data.features.nnz == sum(len(r) for r in rows)
     if name == "Delicious":
         assert int((data.labels.lengths() == 0).sum()) == 10  # points without labels, per the data's README
@@ -238,3 +241,29 @@ def test_l2_normalisation_does_not_overflow_near_float32_max():
     np.testing.assert_allclose(y[0], [2**-0.5, 2**-0.5, 0], rtol=1e-6)  # was all zeros: (3e38)^2 overflowed
     np.testing.assert_allclose(y[2], [1 / 3, 2 / 3, 2 / 3], rtol=1e-6)
     np.testing.assert_allclose(np.linalg.norm(y, axis=1), [1, 0, 1, 1], rtol=1e-6)
+
+
+def test_labels_out_of_order_are_sorted_and_named_in_one_warning(tmp_path):
+    from xmc_repro.data.sources import load_splits
+
+    (tmp_path / "train.txt").write_text("3 4 6\n5,1,3 0:1\n0,2 1:1\n4,4 2:1\n")
+    (tmp_path / "test.txt").write_text("2 4 6\n2,1 0:1\n3,0,5 1:1\n")
+    cfg = {"kind": "xc", "data_dir": str(tmp_path), "train_file": "train.txt", "test_file": "test.txt"}
+    with pytest.warns(UserWarning) as caught:
+        train, test = load_splits(cfg)
+    assert [str(w.message) for w in caught] == [
+        f"{tmp_path / name}: {n} of {points} points list their labels out of ascending order; the authors' P@k "
+        "misses hits on such points, ours does not" for name, n, points in (("train.txt", 1, 3), ("test.txt", 2, 2))]
+    assert train.labels.to_lists() == [[1, 3, 5], [0, 2], [4]] and test.labels.to_lists() == [[1, 2], [0, 3, 5]]
+
+
+def test_a_data_warning_prints_as_the_one_line_it_says(monkeypatch):
+    import warnings
+
+    from xmc_repro import console
+    from xmc_repro.errors import DataWarning
+
+    monkeypatch.setattr(warnings, "formatwarning", warnings.formatwarning)  # put back after the test
+    console.quiet()  # what the command line does first
+    assert warnings.formatwarning(DataWarning("t.txt: x"), DataWarning, "sources.py", 9) == "warning: t.txt: x\n"
+    assert "sources.py:9" in warnings.formatwarning(UserWarning("y"), UserWarning, "sources.py", 9, "")

@@ -16,6 +16,8 @@ from rich.progress import BarColumn
 from lightning.pytorch.callbacks import RichProgressBar
 from lightning.pytorch.callbacks.progress.rich_progress import ProcessingSpeedColumn, RichProgressBarTheme
 
+from xmc_repro.errors import DataWarning
+
 # (metric Lightning logs, what the console calls it)
 SHOWN = (("train/loss_step", "loss"), ("val/p_at_3", "val P@3"))
 # The bar reads the step loss from the device this often: reading it waits for the GPU to finish the step.
@@ -46,6 +48,17 @@ def quiet() -> None:
         rank_zero.addFilter(_NoTips())
     for pattern in UNACTIONABLE:
         warnings.filterwarnings("ignore", message=pattern)
+    warnings.formatwarning = _one_line
+
+
+_formatwarning = warnings.formatwarning  # as Python, or Lightning (imported above), formats warnings
+
+
+def _one_line(message, category, filename, lineno, line=None) -> str:
+    """A DataWarning as the line it says (it names its file); any other warning as before."""
+    if issubclass(category, DataWarning):
+        return f"warning: {message}\n"
+    return _formatwarning(message, category, filename, lineno, line)
 
 
 class ProgressBar(RichProgressBar):

@@ -19,3 +19,8 @@ class ConfigError(UserError):
 
 class StorageError(UserError):
     """A file could not be written (a full disk, a read-only folder); the message names the file and the fix."""
+
+
+class DataWarning(UserWarning):
+    """Something about the user's data worth knowing that stops nothing; the command line prints
+    ``warning: <message>``, one line naming the file."""

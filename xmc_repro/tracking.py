@@ -349,6 +349,9 @@ def dataset_entity(dataset_cfg: DictConfig, datamodule) -> Dataset:
         "test_points": datamodule.test_split.num_points,
         "features": datamodule.num_features,
         "labels": datamodule.num_labels,
+        # points whose file lists their labels out of order, where the authors' P@k can miss hits
+        "train_unsorted_label_lines": datamodule.train_split.labels.unsorted_rows,
+        "test_unsorted_label_lines": datamodule.test_split.labels.unsorted_rows,
     }
     # MLflow's convention: an 8-character digest.
     fields = MetaDataset(source, name=dataset_label(plain), digest=digest.hexdigest()[:8]).to_dict()

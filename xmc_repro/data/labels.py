@@ -34,6 +34,8 @@ class LabelCSR:
     ptr: np.ndarray  # int64 (points + 1,)
     idx: np.ndarray  # int64 (nnz,)
     num_labels: int
+    # Points whose source listed their labels out of ascending order (counted by `deduplicated`, which sorts them).
+    unsorted_rows: int = 0
 
     def __post_init__(self):
         self.ptr = np.asarray(self.ptr, np.int64)
@@ -74,12 +76,14 @@ class LabelCSR:
         key = flat_keys(self.ptr, self.idx, width)
         if len(key) < 2 or (key[1:] > key[:-1]).all():  # already sorted and unique: the usual case
             return self
+        # Keys rise across rows, so a fall is a row listed out of order (a repeat is no fall).
+        unsorted_rows = len(np.unique(key[1:][key[1:] < key[:-1]] // width))
         key = np.sort(key)
         key = key[np.concatenate(([True], key[1:] != key[:-1]))]
         rows, idx = np.divmod(key, width)
         ptr = np.zeros(self.num_points + 1, np.int64)
         np.cumsum(np.bincount(rows, minlength=self.num_points), out=ptr[1:])
-        return LabelCSR(ptr, idx, self.num_labels)
+        return LabelCSR(ptr, idx, self.num_labels, unsorted_rows)
 
     def to_lists(self) -> list[list[int]]:
         """Python lists (small data, tests and napkinxc only)."""

@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import os
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -24,7 +25,7 @@ from xmc_repro.data.features import (NORMALIZATIONS, inverse_document_frequency,
 from xmc_repro.data.labels import LabelCSR
 from xmc_repro.data.synthetic import SyntheticModel, SyntheticSpec
 from xmc_repro.data.xc_format import read_labels, read_xc
-from xmc_repro.errors import ConfigError, DataError
+from xmc_repro.errors import ConfigError, DataError, DataWarning
 
 KINDS = ("synthetic", "xc", "npy")
 
@@ -119,6 +120,8 @@ def _xc(cfg) -> tuple[Split, Split]:
             hint += f" or $XMC_SHARED_DATA (default ../shared/data beside the project, subfolder {cfg['shared_subdir']})"
         raise DataError(f"dataset {cfg.get('name', 'xc')}: missing {', '.join(missing)}; {hint}")
     train, test = (read_xc(p) for p in paths)
+    for data in (train, test):
+        _note_label_order(data.labels, data.path)
     _check_pair(train.labels, test.labels, train.num_features, test.num_features, *paths)
     if normalize == "tfidf":  # idf from the training split only: nothing is learnt from the test points
         idf = inverse_document_frequency(train.features)
@@ -151,6 +154,7 @@ def _npy(cfg) -> tuple[Split, Split]:
     splits = []
     for split in ("train", "test"):
         labels = read_labels(paths[f"{split}_labels"])
+        _note_label_order(labels, paths[f"{split}_labels"])
         if labels.num_points == 0:
             raise DataError(f"{paths[f'{split}_labels']}: no data points; the {split} split must not be empty")
         x = load_npy_features(paths[f"{split}_features"], rows=labels.num_points, dim=dim)
@@ -168,6 +172,15 @@ def _not_files(paths) -> None:
     for path in paths:
         if path.is_dir():
             raise DataError(f"{path}: is a directory, expected a data file; name the file inside it")
+
+
+def _note_label_order(labels: LabelCSR, path) -> None:
+    """Warn where a file lists some points' labels out of ascending order. Ours sorts them; the authors' P@k
+    (``tf.sparse.add`` of the labels and the top k, which assumes sorted indices) can miss hits on those points,
+    so their P@k on this file, and the epochs their schedule picks by it, may differ from ours."""
+    if labels.unsorted_rows:
+        warnings.warn(f"{path}: {labels.unsorted_rows:,} of {labels.num_points:,} points list their labels out of "
+                      "ascending order; the authors' P@k misses hits on such points, ours does not", DataWarning)
 
 
 def _check_pair(train: LabelCSR, test: LabelCSR, train_dim: int, test_dim: int, train_path, test_path) -> None:

@@ -93,19 +93,24 @@ def read_xc(path: str | Path, labels_only: bool = False) -> XCData:
     return XCData(features, labels, num_features, path)
 
 
-def read_sparse_matrix(path: str | Path) -> sp.csr_matrix:
-    """Read a sparse matrix file (header ``rows columns``, lines ``c:v ...``) as float32 CSR."""
-    path = Path(path)
+def _read_matrix_rows(path: Path) -> tuple[_Rows, int]:
+    """The parsed rows of a sparse matrix file (header ``rows columns``, lines ``c:v ...``) and its column count."""
     n_rows, n_cols = read_header(path, 2)
     if n_cols == 0:
         raise DataError(f"{path}:1: the header declares 0 columns; it must give the column count (line 1: 'rows columns')")
-    return _read_rows(path, n_rows, 0, n_cols, has_labels=False, labels_only=False).feature_matrix(n_cols)
+    return _read_rows(path, n_rows, 0, n_cols, has_labels=False, labels_only=False), n_cols
+
+
+def read_sparse_matrix(path: str | Path) -> sp.csr_matrix:
+    """Read a sparse matrix file (header ``rows columns``, lines ``c:v ...``) as float32 CSR."""
+    rows, n_cols = _read_matrix_rows(Path(path))
+    return rows.feature_matrix(n_cols)
 
 
 def read_sparse_labels(path: str | Path) -> LabelCSR:
     """Label lists from a sparse label file (``trn_X_Y.txt`` style); the values (weights) are ignored."""
-    y = read_sparse_matrix(path)
-    return LabelCSR(y.indptr.astype(np.int64), y.indices.astype(np.int64), y.shape[1]).deduplicated()
+    rows, n_cols = _read_matrix_rows(Path(path))
+    return LabelCSR(rows.feat_ptr, rows.feat_idx_all, n_cols).deduplicated()  # in file order until deduplicated
 
 
 def read_labels(path: str | Path) -> LabelCSR:
