@@ -299,3 +299,33 @@ def test_unstructured_rewire_deterministic_and_dense_case(distinct_sources):
     assert torch.equal(a.rewire(0.3, _gen(2), exact_count=True), b.rewire(0.3, _gen(2), exact_count=True))
     assert torch.equal(a.indices, b.indices)
     assert (a.indices[0] * 6 + a.indices[1]).unique().numel() == 50 if distinct_sources else _repeats(a) > 1
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("layer_type,make_optimizer", [
+    (UniformSparseLinear, lambda p: torch.optim.Adam(p, amsgrad=True)),
+    (UnstructuredSparseLinear, lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9)),
+])
+def test_a_users_loop_resets_the_optimizer_state_of_exactly_the_rewired_slots(device, layer_type, make_optimizer):
+    from xmc_repro.sparse import reset_optimizer_state_
+
+    layer = layer_type(37, 53, 5, generator=_gen(3)).to(device)
+    optimizer = make_optimizer(layer.parameters())
+    for _ in range(2):
+        optimizer.zero_grad()
+        layer(torch.randn(7, 37, device=device)).square().mean().backward()
+        optimizer.step()
+    before = {k: v.clone() for k, v in optimizer.state[layer.weight].items()}
+    slots = layer.rewire(0.2, _gen(4))
+    reset_optimizer_state_(optimizer, layer.weight, slots)
+    rewired = torch.zeros(layer.weight.numel(), dtype=torch.bool, device=device)
+    rewired[slots] = True
+    per_weight = [k for k, v in before.items() if v.shape == layer.weight.shape]
+    assert len(per_weight) == (3 if layer_type is UniformSparseLinear else 1) and slots.numel() > 0
+    for key, old in before.items():
+        new = optimizer.state[layer.weight][key]
+        if key in per_weight:
+            assert (old.view(-1) != 0).all() and (new.view(-1)[rewired] == 0).all()
+            assert torch.equal(new.view(-1)[~rewired], old.view(-1)[~rewired])
+        else:
+            assert torch.equal(new, old)  # Adam's step count: the whole tensor's

@@ -12,6 +12,7 @@ import torch
 from lightning.pytorch.callbacks import EarlyStopping, ModelCheckpoint
 
 from xmc_repro.distributed import assert_identical_across_ranks
+from xmc_repro.sparse.rewire import reset_optimizer_state_
 from xmc_repro.validation import REWIRE_SCHEDULES
 
 
@@ -64,10 +65,8 @@ class Rewiring(pl.Callback):
             release()
         for layer in pl_module.sparse_layers():
             slots = layer.rewire(self.fraction, self.generator, self.exact_count)
-            state = optimizer.state.get(layer.weight, {}) if optimizer is not None else {}
-            for key in ("exp_avg", "exp_avg_sq"):
-                if key in state:
-                    state[key].view(-1)[slots.to(state[key].device)] = 0
+            if optimizer is not None:
+                reset_optimizer_state_(optimizer, layer.weight, slots)
         self.rewirings += 1
         if trainer.world_size > 1:  # DDP keeps no buffer in sync by itself (broadcast_buffers=false)
             named = {f"{name}.{attr}": getattr(layer, attr) for name, layer in pl_module.named_modules()

@@ -222,3 +222,14 @@ def distinct_positions(count: int, total: int, generator: torch.Generator | None
         if where.numel() == 0:
             return out
         out[where] = _draw(where.numel(), total, generator, device)
+
+
+@torch.no_grad()
+def reset_optimizer_state_(optimizer: torch.optim.Optimizer, weight: torch.Tensor, slots: torch.Tensor) -> None:
+    """Zero ``optimizer``'s per-weight state of ``weight`` (Adam's moments, SGD's momentum: every state tensor of
+    the weight's shape) at the flat positions ``slots`` that a layer's ``rewire`` returned, so that a regrown
+    connection starts without its predecessor's history, as in the authors' code. Scalar state (Adam's step
+    count) is the whole tensor's and stays."""
+    for value in optimizer.state.get(weight, {}).values():
+        if torch.is_tensor(value) and value.shape == weight.shape:
+            value.view(-1)[slots.to(value.device)] = 0
