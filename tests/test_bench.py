@@ -56,8 +56,18 @@ def test_layer_baselines_agree_with_the_reference():
         phases = bench.build_method(name, case, p, torch.device("cpu"))
         torch.testing.assert_close(phases["forward"](), want_fwd, msg=name)
         torch.testing.assert_close(phases["backward_input"](), want_gx, msg=name)
-    phases = bench.build_method("uniform", case, p, torch.device("cpu"))
-    phases["step+adam"]()  # runs through the op's autograd
+
+
+@pytest.mark.parametrize("method", ["uniform", "coo", "dense"])
+def test_a_step_with_adam_computes_the_input_gradient_too_as_after_an_intermediate_layer(method):
+    case = bench.Case(300, 64, 5, 7, "hinge", bench.ALL)
+    p = bench.make_problem(case, torch.device("cpu"))
+    step = bench.build_method(method, case, p, torch.device("cpu"))["step+adam"]
+    step()
+    if method == "dense":  # its own weights and inputs
+        assert step.x.grad is not None and step.x.grad.shape == step.x.shape and step.x.grad.abs().sum() > 0
+    else:  # computed before Adam's update
+        torch.testing.assert_close(step.x.grad, reference.backward_input(p["g"], p["idx"], p["w"], case.inputs))
 
 
 def test_benchmark_uses_only_public_names_of_the_sparse_package():

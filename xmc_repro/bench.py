@@ -5,7 +5,7 @@
 For each shape (labels, inputs, connectivity, batch) and output-gradient kind (``hinge``: about 1 %
 nonzero, as squared hinge leaves them; ``bce``: dense) it times forward, backward-input,
 backward-weight, forward+both backward, and a whole step with Adam (through autograd: our op, COO,
-dense), for: our compiled op, the pure-torch reference kernels, torch CSR (cuSPARSE forward,
+dense; both gradients, as after an intermediate layer), for: our compiled op, the pure-torch reference kernels, torch CSR (cuSPARSE forward,
 ``sampled_addmm`` weight gradient), torch COO with autograd, and a dense ``nn.Linear``. Each time
 is also given as a multiple of its bandwidth
 floor: the bytes that must move (indices, weights, inputs and gradients read once, results written
@@ -185,12 +185,21 @@ def _adam(params, device):
     return torch.optim.Adam(params, lr=1e-3, fused=device.type == "cuda")
 
 
-def _step(loss_fn, opt, grad):
+def _step(loss_fn, opt, grad, x):
+    """One training step of the layer as it sits after an intermediate layer: ``x`` requires its gradient too
+    (left in ``run.x.grad``)."""
     def run():
         opt.zero_grad(set_to_none=False)
+        x.grad = None
         loss_fn().backward(grad)
         opt.step()
+    run.x = x
     return run
+
+
+def _leaf(x: torch.Tensor) -> torch.Tensor:
+    """``x`` as an input whose gradient autograd computes (an intermediate layer's output)."""
+    return x.detach().clone().requires_grad_()
 
 
 def _csr_pair(rows, cols, values, shape):
@@ -216,8 +225,9 @@ def build_method(name: str, case: Case, p: dict, device) -> dict:
         phases = {"forward": fwd, "backward_input": bwd_in, "backward_weight": bwd_w,  # with the bias gradient
                   "fwd+bwd": lambda: (fwd(), bwd_in(), bwd_w())}
         if name == BF16:  # the candidates have no autograd path
-            layer = lambda: sparse_op.uniform_sparse_linear(xin, idx, wp, bp)  # noqa: E731
-            phases["step+adam"] = _step(layer, _adam([wp, bp], device), g)
+            xg = _leaf(xin)
+            layer = lambda: sparse_op.uniform_sparse_linear(xg, idx, wp, bp)  # noqa: E731
+            phases["step+adam"] = _step(layer, _adam([wp, bp], device), g, xg)
         return phases
     if name in ("uniform", "reference"):
         # The same three kernels, compiled or pure torch; only the compiled op is timed through autograd
@@ -229,8 +239,9 @@ def build_method(name: str, case: Case, p: dict, device) -> dict:
         phases = {"forward": fwd, "backward_input": bwd_in, "backward_weight": bwd_w,  # with the bias gradient
                   "fwd+bwd": lambda: (fwd(), bwd_in(), bwd_w())}
         if name == "uniform":
-            layer = lambda: sparse_op.uniform_sparse_linear(x, idx, wp, bp)  # noqa: E731
-            phases["step+adam"] = _step(layer, _adam([wp, bp], device), g)
+            xg = _leaf(x)
+            layer = lambda: sparse_op.uniform_sparse_linear(xg, idx, wp, bp)  # noqa: E731
+            phases["step+adam"] = _step(layer, _adam([wp, bp], device), g, xg)
         return phases
     rows = torch.arange(case.labels, device=device).repeat(case.connectivity)
     cols = idx.reshape(-1).long()
@@ -257,17 +268,19 @@ def build_method(name: str, case: Case, p: dict, device) -> dict:
         order = torch.argsort(flat)
         coo_idx = torch.stack([rows[order], cols[order]])
         vp = torch.nn.Parameter(w.reshape(-1)[order].clone())
+        xg = _leaf(x)
 
         def layer():
             mat = torch.sparse_coo_tensor(coo_idx, vp, (case.labels, case.inputs), is_coalesced=True,
                                           check_invariants=False)
-            return torch.sparse.mm(mat, x.t()).t() + bp
+            return torch.sparse.mm(mat, xg.t()).t() + bp
 
         def fwd_bwd():
+            xg.grad = None
             layer().backward(g)
 
         return {"forward": lambda: layer().detach(), "fwd+bwd": fwd_bwd,
-                "step+adam": _step(layer, _adam([vp, bp], device), g)}
+                "step+adam": _step(layer, _adam([vp, bp], device), g, xg)}
     if name == "dense":
         inputs = case.inputs
         if case.labels * inputs * 4 * 5 > (0.7 * torch.cuda.mem_get_info(device)[0] if device.type == "cuda"
@@ -275,13 +288,14 @@ def build_method(name: str, case: Case, p: dict, device) -> dict:
             inputs = 768  # the paper's dense reference: a 768-d input
         lin = torch.nn.Linear(inputs, case.labels, device=device)
         xd = torch.randn(case.batch, inputs, device=device)
+        xg = _leaf(xd)
         wd = lin.weight.detach()
         fwd = lambda: torch.nn.functional.linear(xd, wd, lin.bias.detach())  # noqa: E731
         bwd_in = lambda: g @ wd  # noqa: E731
         bwd_w = lambda: g.t() @ xd  # noqa: E731
         return {"forward": fwd, "backward_input": bwd_in, "backward_weight": bwd_w,
                 "fwd+bwd": lambda: (fwd(), bwd_in(), bwd_w(), g.sum(0)),
-                "step+adam": _step(lambda: lin(xd), _adam(list(lin.parameters()), device), g),
+                "step+adam": _step(lambda: lin(xg), _adam(list(lin.parameters()), device), g, xg),
                 "label": f"dense nn.Linear({inputs}, {case.labels})", "dense_inputs": inputs}
     raise ValueError(f"unknown method {name!r}; choose from {', '.join(ALL + ON_REQUEST)}")
 
