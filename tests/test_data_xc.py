@@ -253,7 +253,7 @@ def test_labels_out_of_order_are_sorted_and_named_in_one_warning(tmp_path):
         train, test = load_splits(cfg)
     assert [str(w.message) for w in caught] == [
         f"{tmp_path / name}: {n} of {points} points list their labels out of ascending order; the authors' P@k "
-        "misses hits on such points, ours does not" for name, n, points in (("train.txt", 1, 3), ("test.txt", 2, 2))]
+        "can miss hits on such points, ours does not" for name, n, points in (("train.txt", 1, 3), ("test.txt", 2, 2))]
     assert train.labels.to_lists() == [[1, 3, 5], [0, 2], [4]] and test.labels.to_lists() == [[1, 2], [0, 3, 5]]
 
 

@@ -5,8 +5,9 @@
 For each shape (labels, inputs, connectivity, batch) and output-gradient kind (``hinge``: about 1 %
 nonzero, as squared hinge leaves them; ``bce``: dense) it times forward, backward-input,
 backward-weight, forward+both backward, and a whole step with Adam (through autograd: our op, COO,
-dense; both gradients, as after an intermediate layer), for: our compiled op, the pure-torch reference kernels, torch CSR (cuSPARSE forward,
-``sampled_addmm`` weight gradient), torch COO with autograd, and a dense ``nn.Linear``. Each time
+dense; the input's gradient too, as after an intermediate layer), for: our compiled op, the pure-torch
+reference kernels, torch CSR (cuSPARSE forward, ``sampled_addmm`` weight gradient), torch COO with
+autograd, and a dense ``nn.Linear``. Each time
 is also given as a multiple of its bandwidth
 floor: the bytes that must move (indices, weights, inputs and gradients read once, results written
 once; for hinge gradients only the labels with a nonzero gradient need their indices/weights)

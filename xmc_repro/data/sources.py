@@ -180,7 +180,7 @@ def _note_label_order(labels: LabelCSR, path) -> None:
     so their P@k on this file, and the epochs their schedule picks by it, may differ from ours."""
     if labels.unsorted_rows:
         warnings.warn(f"{path}: {labels.unsorted_rows:,} of {labels.num_points:,} points list their labels out of "
-                      "ascending order; the authors' P@k misses hits on such points, ours does not", DataWarning)
+                      "ascending order; the authors' P@k can miss hits on such points, ours does not", DataWarning)
 
 
 def _check_pair(train: LabelCSR, test: LabelCSR, train_dim: int, test_dim: int, train_path, test_path) -> None:
