@@ -238,3 +238,36 @@ def test_a_run_is_tested_with_the_weights_the_authors_would_test(tmp_path, setti
     expected = history[-1] if tested == "last epoch" else max(history)
     assert run.data.metrics["test/p_at_3"] == pytest.approx(expected, abs=1e-3)  # validate_on=test
     assert 0 <= run.data.metrics["sparse/repeated_connections_pct"] < 50  # the uniform head's, drawn with replacement
+
+
+def _authors_hits(top: list[list[int]], labels: list[list[int]]) -> int:
+    """Hits as the authors' PrecisionAtK counts them: TensorFlow's SparseAdd walks the sorted top-k (row, label)
+    pairs and the label pairs as the file lists them with two pointers, and a hit is a pair they reach together."""
+    a = [(r, j) for r, row in enumerate(top) for j in sorted(row)]
+    b = [(r, j) for r, row in enumerate(labels) for j in row]
+    i = n = hits = 0
+    while i < len(a) and n < len(b):
+        if a[i] < b[n]:
+            i += 1
+        elif a[i] > b[n]:
+            n += 1
+        else:
+            hits, i, n = hits + 1, i + 1, n + 1
+    return hits
+
+
+def test_our_p_at_k_counts_the_hits_the_authors_count_on_labels_listed_in_order_and_more_otherwise():
+    from xmc_repro.data.labels import LabelCSR
+    from xmc_repro.metrics import XMCMetrics
+
+    gen = torch.Generator().manual_seed(5)
+    scores = torch.randn(64, 12, generator=gen)
+    listed = [torch.randint(12, (int(n),), generator=gen).tolist() for n in torch.randint(0, 7, (64,), generator=gen)]
+    csr = LabelCSR(np.cumsum([0] + [len(r) for r in listed]), [j for r in listed for j in r], 12).deduplicated()
+    top = scores.topk(3, dim=1).indices.tolist()
+    metrics = XMCMetrics(12, ks=(3,))
+    metrics.update(scores, torch.from_numpy(csr.ptr), torch.from_numpy(csr.idx))
+    ours = metrics.compute()["p_at_3"] * 64 * 3 / 100
+    assert csr.unsorted_rows > 10
+    assert ours == pytest.approx(_authors_hits(top, [sorted(r) for r in listed]))  # in order, repeats kept: equal
+    assert ours > _authors_hits(top, listed)  # as listed: theirs misses some
