@@ -131,8 +131,10 @@ def test_the_unstructured_head_draws_with_replacement_and_an_older_runs_config_k
     cfg = _compose(["model=unstructured"])
     assert build_model(cfg, _fake_data()).head.distinct_sources is False
     OmegaConf.set_struct(cfg, False)
-    del cfg.model["distinct_sources"]  # a run's stored config from before the setting
+    del cfg.model["distinct_sources"]  # a config without the setting: the layer's default, the authors' draws
     validate(cfg)
+    assert build_model(cfg, _fake_data()).head.distinct_sources is False
+    cfg.resume = "0123abcd"  # a run's stored config from before the setting, resumed
     assert build_model(cfg, _fake_data()).head.distinct_sources is True
 
 

@@ -91,7 +91,7 @@ def build_model(cfg: DictConfig, dm) -> XMCClassifier:
     t = cfg.trainer
     inv_prop = inverse_propensity(dm.train_label_counts, cfg.dataset.propensity.A, cfg.dataset.propensity.B)
     model = OmegaConf.to_container(cfg.model, resolve=True)
-    if model.get("head") == "unstructured":  # a run resumed from before its head had the setting: distinct positions
+    if model.get("head") == "unstructured" and cfg.get("resume"):  # resumed from before the setting: distinct positions
         model.setdefault("distinct_sources", True)
     return XMCClassifier(
         num_features=dm.num_features,
