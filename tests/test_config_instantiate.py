@@ -176,3 +176,11 @@ def test_errors_raised_while_building_stay_one_line():
 
         instantiate_with({"_target_": "xmc_repro.callbacks.Rewiring", "fraction": 0.1, "schedule": "weekly"})
     assert callable(build_loss("bce"))
+
+
+def test_the_unstructured_head_rewires_the_authors_fraction_with_and_without_an_intermediate_layer():
+    fraction = lambda *overrides: _compose(["model=unstructured", *overrides]).callbacks.rewiring.fraction  # noqa: E731
+    assert fraction() == 0.01  # their "sparse" architecture: RewireLayer's default selector
+    assert fraction("model.intermediate=1024") == 0.1  # "dense-sparse": the task's fraction, the paper's
+    assert fraction("model.rewire_fraction=0.1") == 0.1
+    assert _compose(["model=uniform"]).callbacks.rewiring.fraction == 0.1
