@@ -13,7 +13,6 @@
 from __future__ import annotations
 
 import os
-import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -179,8 +178,11 @@ def _note_label_order(labels: LabelCSR, path) -> None:
     (``tf.sparse.add`` of the labels and the top k, which assumes sorted indices) can miss hits on those points,
     so their P@k on this file, and the epochs their schedule picks by it, may differ from ours."""
     if labels.unsorted_rows:
-        warnings.warn(f"{path}: {labels.unsorted_rows:,} of {labels.num_points:,} points list their labels out of "
-                      "ascending order; the authors' P@k can miss hits on such points, ours does not", DataWarning)
+        from lightning.pytorch.utilities import rank_zero_warn  # every DDP rank reads the data; one says so
+
+        rank_zero_warn(f"{path}: {labels.unsorted_rows:,} of {labels.num_points:,} points list their labels out of "
+                       "ascending order; the authors' P@k can miss hits on such points, ours does not",
+                       category=DataWarning)
 
 
 def _check_pair(train: LabelCSR, test: LabelCSR, train_dim: int, test_dim: int, train_path, test_path) -> None:
