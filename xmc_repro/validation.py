@@ -28,6 +28,9 @@ RESTORE_BEST = ("early_stop", "always")  # trainer.restore_best: when the best e
 EPS_PLACEMENTS = ("keras", "torch")  # trainer.adam_eps_placement: Adam's epsilon before or after the bias correction
 # The value a run's stored config implies when it predates the setting: how that run trained (and resumes).
 BEFORE_THE_SETTING = {"restore_best": "always", "adam_eps_placement": "torch"}
+# Lightning's precisions (its short names too) and accelerators, refused here in one line rather than by Lightning
+PRECISIONS = ("32-true", "bf16-mixed", "16-mixed", "64-true", "bf16-true", "16-true", "32", "bf16", "16", "64")
+ACCELERATORS = ("auto", "cpu", "gpu", "cuda", "mps", "tpu")
 # conf/model/unstructured.yaml's default rewiring fraction: ${authors_unstructured_rewire_fraction:${.intermediate}}
 UNSTRUCTURED_REWIRE_RESOLVER = "authors_unstructured_rewire_fraction"
 
@@ -37,9 +40,6 @@ def authors_unstructured_rewire_fraction(intermediate) -> float:
     there is no intermediate layer ("sparse" architecture), so it keeps RewireLayer's default 0.01; after an
     intermediate layer ("dense-sparse") it gets the task's 0.1, the fraction the paper states."""
     return 0.1 if intermediate else 0.01
-# Lightning's precisions (its short names too) and accelerators, refused here in one line rather than by Lightning
-PRECISIONS = ("32-true", "bf16-mixed", "16-mixed", "64-true", "bf16-true", "16-true", "32", "bf16", "16", "64")
-ACCELERATORS = ("auto", "cpu", "gpu", "cuda", "mps", "tpu")
 
 
 def positive_int(value, setting: str, example: int | None = None) -> int:
