@@ -31,8 +31,6 @@ BEFORE_THE_SETTING = {"restore_best": "always", "adam_eps_placement": "torch"}
 # Lightning's precisions (its short names too) and accelerators, refused here in one line rather than by Lightning
 PRECISIONS = ("32-true", "bf16-mixed", "16-mixed", "64-true", "bf16-true", "16-true", "32", "bf16", "16", "64")
 ACCELERATORS = ("auto", "cpu", "gpu", "cuda", "mps", "tpu")
-# conf/model/unstructured.yaml's default rewiring fraction: ${authors_unstructured_rewire_fraction:${.intermediate}}
-UNSTRUCTURED_REWIRE_RESOLVER = "authors_unstructured_rewire_fraction"
 
 
 def authors_unstructured_rewire_fraction(intermediate) -> float:
@@ -40,6 +38,11 @@ def authors_unstructured_rewire_fraction(intermediate) -> float:
     there is no intermediate layer ("sparse" architecture), so it keeps RewireLayer's default 0.01; after an
     intermediate layer ("dense-sparse") it gets the task's 0.1, the fraction the paper states."""
     return 0.1 if intermediate else 0.01
+
+
+# conf/model/unstructured.yaml's default: ${authors_unstructured_rewire_fraction:${.intermediate}}
+OmegaConf.register_new_resolver("authors_unstructured_rewire_fraction", authors_unstructured_rewire_fraction,
+                                replace=True)
 
 
 def positive_int(value, setting: str, example: int | None = None) -> int:
