@@ -67,6 +67,16 @@ def test_repeated_labels_count_once():
         torch.testing.assert_close(*(torch.autograd.grad(v, scores)[0] for v in (loss, want)))
 
 
+@pytest.mark.parametrize("name", ["squared_hinge", "bce"])
+@pytest.mark.parametrize("label", [6, 7, -1])
+def test_labels_outside_the_scores_are_refused(name, label):
+    """A label >= L would mark an entry of the next row, a negative one of the row before (or none)."""
+    scores = torch.zeros(3, 6, requires_grad=True)
+    ptr, idx = torch.tensor([0, 1, 2, 3]), torch.tensor([2, label, 5])
+    with pytest.raises(ValueError, match=rf"labels must lie in \[0, 6\) .*found values in \[{min(label, 2)}, {max(label, 5)}\]"):
+        build_loss(name)(scores, ptr, idx)
+
+
 def test_loss_log_on_the_cpu_reports_at_once_and_keeps_the_epochs_weighted_mean():
     log = TrainingLossLog(every=10)
     assert log.epoch_mean is None

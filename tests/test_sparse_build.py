@@ -82,6 +82,40 @@ def test_cache_key_names_the_gpu_architecture(monkeypatch):
     assert build.cuda_archs() == "8.0;9.0" and build._key("cuda", src) not in (keys[(8, 0)][0], keys[(9, 0)][0])
 
 
+def test_a_cpu_build_after_a_failed_cuda_build_links_no_cuda_library(tmp_path, monkeypatch):
+    """torch's `load` appends the CUDA libraries to the flag lists it is given: a CPU build that followed a failed
+    CUDA one on the same lists failed to link (-lcudart) on a machine with a CUDA torch and nvcc but no GPU."""
+    calls = []
+
+    def fake_load(name, extra_ldflags, **kwargs):
+        calls.append((name, list(extra_ldflags)))
+        extra_ldflags += ["-lc10_cuda", "-lcudart"]  # what torch does to the list
+        if name == "xmc_sparse_cuda":
+            raise RuntimeError("nvcc failed")
+
+    import torch.utils.cpp_extension
+    monkeypatch.setattr(torch.utils.cpp_extension, "load", fake_load)
+    monkeypatch.setattr(torch.ops, "load_library", lambda path: None)
+    monkeypatch.setenv("XMC_SPARSE_CACHE", str(tmp_path))
+    monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", "9.0")
+    monkeypatch.setattr(build, "cuda_buildable", lambda: True)
+    compiled, errors = build.load_compiled()
+    assert compiled == {"cpu"} and errors == ["cuda: building xmc_sparse_cuda failed: nvcc failed"]
+    assert calls == [("xmc_sparse_cuda", build.LDFLAGS), ("xmc_sparse_cpu", build.LDFLAGS)]
+    assert build.LDFLAGS == ["-fopenmp"]
+
+
+def test_no_cuda_build_without_a_gpu_or_an_architecture_list(monkeypatch):
+    """Nothing to compile the CUDA kernels for: the CPU library is built straight away (torch's own arch detection
+    failed with 'list index out of range')."""
+    built = []
+    monkeypatch.setattr(build, "_build_variant", lambda variant, verbose: built.append(variant))
+    monkeypatch.setattr(build, "cuda_buildable", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.delenv("TORCH_CUDA_ARCH_LIST", raising=False)
+    assert build.load_compiled() == ({"cpu"}, []) and built == ["cpu"]
+
+
 def test_cache_key_covers_headers(tmp_path, monkeypatch):
     copy = tmp_path / "cuda_ext"
     shutil.copytree(build.source_dir(), copy)

@@ -8,7 +8,7 @@ import torch
 from conftest import DEVICES
 from conftest import generator as _gen
 
-from xmc_repro.sparse import UniformSparseLinear, UnstructuredSparseLinear, repeated_connections_pct
+from xmc_repro.sparse import SparseInputError, UniformSparseLinear, UnstructuredSparseLinear, repeated_connections_pct
 from xmc_repro.sparse import reference as ref
 from xmc_repro.sparse import rewire
 from xmc_repro.sparse.rewire import lowest_magnitude, redraw_sources, redraw_sources_, sample_uniform_sources
@@ -91,6 +91,18 @@ def test_uniform_layer_forward_backward_match_dense(device):
     torch.testing.assert_close(x.grad, x2.grad)
     torch.testing.assert_close(layer.weight.grad, w.grad)
     torch.testing.assert_close(layer.bias.grad, bias.grad)
+
+
+@pytest.mark.parametrize("layer_type", [UniformSparseLinear, UnstructuredSparseLinear])
+def test_layers_refuse_inputs_of_another_width_or_dtype(layer_type):
+    """As nn.Linear: the last dimension must be in_features (a narrower input would be read past its end)."""
+    layer = layer_type(1000, 50, 32, generator=_gen(0))
+    for x in (torch.randn(4, 10), torch.randn(4, 1001), torch.randn(2, 3, 999), torch.tensor(1.0)):
+        with pytest.raises(SparseInputError, match=r"inputs of shape \(\.\.\., 1000\) \(in_features=1000\), got"):
+            layer(x)
+    with pytest.raises(SparseInputError, match="floating-point inputs, got torch.int64; call x.float"):
+        layer(torch.ones(4, 1000, dtype=torch.long))
+    assert layer(torch.randn(2, 3, 1000)).shape == (2, 3, 50)
 
 
 def test_uniform_layer_state_dict_roundtrip():

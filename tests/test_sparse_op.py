@@ -53,6 +53,9 @@ def sample_inputs(shape, device):
         args = [t.clone().requires_grad_(want) for t, want in zip((x, w, b), wants)]
         samples.append((OPS.forward, (args[0], idx, args[1], args[2])))
     samples += [(OPS.backward_input, (grad, idx, w, in_features)), (OPS.backward_weight, (grad, x, idx))]
+    # the backward ops' own autograd (double backward)
+    samples += [(OPS.backward_input, (grad.clone().requires_grad_(), idx, w.clone().requires_grad_(), in_features)),
+                (OPS.backward_weight, (grad.clone().requires_grad_(), x.clone().requires_grad_(), idx))]
     return samples
 
 
@@ -150,6 +153,48 @@ def test_gradcheck_float64(device, shape):
     x, idx, w, b = _problem(*shape, device, dtype=torch.float64)
     x, w, b = (t.requires_grad_() for t in (x, w, b))
     assert torch.autograd.gradcheck(lambda x, w, b: uniform_sparse_linear(x, idx, w, b), (x, w, b))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("shape", [(1, 1, 3, 1), (3, 8, 11, 3), (5, 4, 9, 4)])
+def test_gradgradcheck_float64(device, shape):
+    """Second derivatives (the backward ops differentiated by the ops themselves), indices repeating sources."""
+    x, idx, w, b = _problem(*shape, device, dtype=torch.float64)
+    x, w, b = (t.requires_grad_() for t in (x, w, b))
+    assert torch.autograd.gradgradcheck(lambda x, w, b: uniform_sparse_linear(x, idx, w, b), (x, w, b))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_second_derivatives_match_dense(device):
+    """A gradient penalty through the layer: d/d(x, w, b) of |d loss / dx|^2 and |d loss / dw|^2 against the same
+    model with the dense weight matrix the sparse weights stand for."""
+    x, idx, w, b = _problem(6, 13, 40, 5, device, dtype=torch.float64)
+    x, w, b = (t.requires_grad_() for t in (x, w, b))
+
+    def penalties(scores):
+        loss = torch.tanh(scores).pow(2).sum()
+        gx, gw = torch.autograd.grad(loss, (x, w), create_graph=True)
+        return [torch.autograd.grad(g.pow(2).sum(), (x, w, b), allow_unused=True, retain_graph=True) for g in (gx, gw)]
+
+    sparse = penalties(uniform_sparse_linear(x, idx, w, b))
+    dense = penalties(x @ ref.dense_weight(idx, w, 13).T + b)
+    for got, want in zip(sparse, dense):
+        for g, d in zip(got, want):
+            assert (g is None) == (d is None)
+            if d is not None:
+                torch.testing.assert_close(g, d)
+
+
+def test_reference_backend_second_derivatives():
+    """The pure-torch backend (a fresh process) differentiates its backward too."""
+    code = ("import torch; from xmc_repro.sparse import backend, uniform_sparse_linear as f; torch.manual_seed(0);"
+            "x=torch.randn(3,6,dtype=torch.float64,requires_grad=True); i=torch.randint(6,(4,7),dtype=torch.int32);"
+            "w=torch.randn(4,7,dtype=torch.float64,requires_grad=True); b=torch.randn(7,dtype=torch.float64,requires_grad=True);"
+            "print(backend('cpu'), torch.autograd.gradgradcheck(lambda x, w, b: f(x, i, w, b), (x, w, b)))")
+    env = dict(os.environ, XMC_SPARSE_BACKEND="reference")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["reference", "True"]
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -279,6 +324,21 @@ def test_bad_inputs_raise_clear_errors():
     assert "2-D" in _bad(x, idx[0], w[0])
     if torch.device("meta") is not None:
         assert "device" in _bad(x, idx, w.to("meta"))
+
+
+@pytest.mark.parametrize("bad", [10, -1, 2_000_000_000])
+def test_out_of_range_indices_raise_on_the_cpu(bad):
+    """Without check_indices, the CPU kernels and the reference refuse an index outside [0, in_features) in every op,
+    before reading or writing past an array (a gradient of all ones reaches every label)."""
+    x, idx, w, b = _problem(4, 10, 70, 3, "cpu")
+    idx[2, 65] = bad
+    grad = torch.ones(4, 70)
+    calls = [lambda: OPS.forward(x, idx, w, b), lambda: OPS.backward_input(grad, idx, w, 10),
+             lambda: OPS.backward_weight(grad, x, idx), lambda: ref.forward(x, idx, w, b),
+             lambda: ref.backward_input(grad, idx, w, 10), lambda: ref.backward_weight(grad, x, idx)]
+    for call in calls:
+        with pytest.raises((RuntimeError, SparseInputError), match=re.escape(f"indices must lie in [0, 10), found values in [")):
+            call()
 
 
 def test_index_limit_error():

@@ -23,12 +23,24 @@ from xmc_repro.data.labels import flat_keys
 _CHUNK = 1 << 22  # elements per slice when summing the all-negative part (caps the temporary)
 
 
+def check_labels(label_idx: torch.Tensor, num_labels: int) -> None:
+    """Every label must lie in [0, num_labels): one outside would mark an entry of a neighbouring row. Checked where
+    the labels are on the host; on a GPU the check would make the step wait for the device (the pipeline's readers
+    check their files)."""
+    if label_idx.device.type != "cpu" or not label_idx.numel() or torch.compiler.is_compiling():
+        return
+    lo, hi = int(label_idx.min()), int(label_idx.max())
+    if lo < 0 or hi >= num_labels:
+        raise ValueError(f"labels must lie in [0, {num_labels}) (the scores' columns), found values in [{lo}, {hi}]")
+
+
 def positive_positions(label_ptr: torch.Tensor, label_idx: torch.Tensor, num_labels: int, device) -> torch.Tensor:
     """Sorted flat positions ``row * num_labels + label`` of the positive entries, one per listed label.
 
     A label listed twice for one row appears twice (``first_occurrences`` marks one of them). Every size here
     is known on the host, so nothing waits for the device (``torch.unique`` would: its length is data).
     """
+    check_labels(label_idx, num_labels)
     return torch.sort(flat_keys(label_ptr, label_idx.to(device), num_labels)).values
 
 
@@ -122,6 +134,7 @@ def squared_hinge_from_positions(scores: torch.Tensor, positives: torch.Tensor, 
 
 def squared_hinge_loss(scores: torch.Tensor, label_ptr: torch.Tensor, label_idx: torch.Tensor) -> torch.Tensor:
     """mean over batch and labels of ``relu(1 - (2y - 1) s)^2``; scores (B, L), labels as CSR lists."""
+    check_labels(label_idx, scores.shape[1])
     # The fused op needs neither sorted nor distinct positions: the unsorted keys spare a sort.
     positives = flat_keys(label_ptr, label_idx.to(scores.device), scores.shape[1])
     return squared_hinge_from_positions(scores, positives)

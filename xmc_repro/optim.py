@@ -19,7 +19,11 @@ import torch
 
 class KerasAdam(torch.optim.Adam):
     """torch's Adam with Keras's placement of `eps`. Keras's epsilon and the step count live in each parameter
-    group, so they are saved and restored with the optimizer's state (a resumed run goes on where it stopped)."""
+    group, so they are saved and restored with the optimizer's state (a resumed run goes on where it stopped).
+
+    Keras's update is matched where every parameter of a group gets a gradient at every step, as in the pipeline: a
+    step that skips a parameter (its `.grad` is None) counts in the group's epsilon but not in torch's per-parameter
+    bias correction (Keras counts it in both)."""
 
     def __init__(self, params, **adam_settings):
         super().__init__(params, **adam_settings)

@@ -6,6 +6,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <atomic>
 #include <tuple>
 #include <vector>
 
@@ -15,6 +16,18 @@ namespace xmc_sparse {
 namespace {
 
 constexpr int64_t kTile = 64;  // labels per task: the tile's indices/weights stay in L1/L2
+
+// Every kernel checks each source index it reads (one compare outside the batch loops) and skips one outside
+// [0, in_features): a bad index is an error, never a read or write past the inputs.
+inline bool outside(int32_t src, int64_t in_features) {
+  return static_cast<uint32_t>(src) >= static_cast<uint64_t>(in_features);
+}
+
+void check_index_range(bool in_range, const at::Tensor& indices, int64_t in_features) {
+  if (in_range) return;
+  TORCH_CHECK(false, "indices must lie in [0, ", in_features, "), found values in [", indices.min().item<int32_t>(),
+              ", ", indices.max().item<int32_t>(), "]");
+}
 
 // The batch is split into chunks of bc rows and each chunk stored transposed, xc (chunks, in, bc):
 // one connection's gather reads bc contiguous values, and a chunk (in * bc values, about 256 KiB)
@@ -37,10 +50,12 @@ at::Tensor chunked_transpose(const at::Tensor& x, int64_t bc) {
 // Forward: per tile of labels and batch chunk, accumulate (tile, bc) sums from xc rows, then
 // write out[b, tile] row-wise.
 template <typename T>
-void forward_cpu_kernel(const T* xc, const int32_t* idx, const T* w, const T* bias, T* out, int64_t batch,
+bool forward_cpu_kernel(const T* xc, const int32_t* idx, const T* w, const T* bias, T* out, int64_t batch,
                         int64_t bc, int64_t in_features, int64_t conn, int64_t labels) {
   const int64_t tiles = (labels + kTile - 1) / kTile;
+  std::atomic<bool> out_of_range{false};
   at::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) {
+    bool bad = false;
     std::vector<T> acc(kTile * bc);
     for (int64_t t = t0; t < t1; ++t) {
       const int64_t j0 = t * kTile, n = std::min(kTile, labels - j0);
@@ -51,6 +66,7 @@ void forward_cpu_kernel(const T* xc, const int32_t* idx, const T* w, const T* bi
           const int32_t* ik = idx + k * labels + j0;
           const T* wk = w + k * labels + j0;
           for (int64_t jj = 0; jj < n; ++jj) {
+            if (outside(ik[jj], in_features)) { bad = true; continue; }
             const T* xr = xt + static_cast<int64_t>(ik[jj]) * bc;
             const T wv = wk[jj];
             T* a = &acc[jj * bc];
@@ -62,15 +78,19 @@ void forward_cpu_kernel(const T* xc, const int32_t* idx, const T* w, const T* bi
           for (int64_t jj = 0; jj < n; ++jj) out[(c0 + b) * labels + j0 + jj] = acc[jj * bc + b];
       }
     }
+    if (bad) out_of_range = true;
   });
+  return !out_of_range;
 }
 
 // Backward to the inputs: each task owns a range of batch rows of grad_x (no races). Labels whose
 // output gradient is exactly zero are skipped before touching their indices or weights.
 template <typename T>
-void backward_input_cpu_kernel(const T* g, const int32_t* idx, const T* w, T* gx, int64_t batch,
+bool backward_input_cpu_kernel(const T* g, const int32_t* idx, const T* w, T* gx, int64_t batch,
                                int64_t conn, int64_t labels, int64_t in_features) {
+  std::atomic<bool> out_of_range{false};
   at::parallel_for(0, batch, 1, [&](int64_t b0, int64_t b1) {
+    bool bad = false;
     std::vector<int64_t> nz_j(kTile);
     std::vector<T> nz_g(kTile);
     for (int64_t j0 = 0; j0 < labels; j0 += kTile) {
@@ -85,11 +105,16 @@ void backward_input_cpu_kernel(const T* g, const int32_t* idx, const T* w, T* gx
         for (int64_t k = 0; k < conn; ++k) {
           const int32_t* ik = idx + k * labels;
           const T* wk = w + k * labels;
-          for (int64_t q = 0; q < m; ++q) gxb[ik[nz_j[q]]] += wk[nz_j[q]] * nz_g[q];
+          for (int64_t q = 0; q < m; ++q) {
+            if (outside(ik[nz_j[q]], in_features)) { bad = true; continue; }
+            gxb[ik[nz_j[q]]] += wk[nz_j[q]] * nz_g[q];
+          }
         }
       }
     }
+    if (bad) out_of_range = true;
   });
+  return !out_of_range;
 }
 
 // Backward to the weights: per tile, gather the tile's gradient as (tile, padded batch); a label
@@ -97,11 +122,13 @@ void backward_input_cpu_kernel(const T* g, const int32_t* idx, const T* w, T* gx
 // chunks in which a label's gradient is zero are skipped. Chunk-outer order keeps xc's chunk in L2.
 // The bias gradient gb[j] (the column's sum) comes from the gathered columns.
 template <typename T>
-void backward_weight_cpu_kernel(const T* g, const T* xc, const int32_t* idx, T* gw, T* gb, int64_t batch, int64_t bc,
+bool backward_weight_cpu_kernel(const T* g, const T* xc, const int32_t* idx, T* gw, T* gb, int64_t batch, int64_t bc,
                                 int64_t in_features, int64_t conn, int64_t labels) {
   const int64_t tiles = (labels + kTile - 1) / kTile;
   const int64_t chunks = (batch + bc - 1) / bc, bpad = chunks * bc;
+  std::atomic<bool> out_of_range{false};
   at::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) {
+    bool bad = false;
     std::vector<T> gt(kTile * bpad, T(0));
     std::vector<T> acc(kTile * conn);
     for (int64_t t = t0; t < t1; ++t) {
@@ -123,7 +150,9 @@ void backward_weight_cpu_kernel(const T* g, const T* xc, const int32_t* idx, T* 
           if (!any) continue;
           T* aj = &acc[jj * conn];
           for (int64_t k = 0; k < conn; ++k) {
-            const T* xr = xt + static_cast<int64_t>(idx[k * labels + j0 + jj]) * bc;
+            const int32_t src = idx[k * labels + j0 + jj];
+            if (outside(src, in_features)) { bad = true; continue; }
+            const T* xr = xt + static_cast<int64_t>(src) * bc;
             T sum = 0;
             for (int64_t b = 0; b < bc; ++b) sum += gj[b] * xr[b];
             aj[k] += sum;
@@ -133,7 +162,9 @@ void backward_weight_cpu_kernel(const T* g, const T* xc, const int32_t* idx, T* 
       for (int64_t k = 0; k < conn; ++k)
         for (int64_t jj = 0; jj < n; ++jj) gw[k * labels + j0 + jj] = acc[jj * conn + k];
     }
+    if (bad) out_of_range = true;
   });
+  return !out_of_range;
 }
 
 at::Tensor forward_cpu(const at::Tensor& x, const at::Tensor& indices, const at::Tensor& weight,
@@ -145,12 +176,14 @@ at::Tensor forward_cpu(const at::Tensor& x, const at::Tensor& indices, const at:
   if (batch == 0) return out;
   const int64_t bc = batch_chunk(batch, x.size(1));
   const auto xc = chunked_transpose(x, bc);
+  bool in_range = true;
   AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "uniform_sparse_forward_cpu", [&] {
-    forward_cpu_kernel<scalar_t>(xc.const_data_ptr<scalar_t>(), indices.const_data_ptr<int32_t>(),
+    in_range = forward_cpu_kernel<scalar_t>(xc.const_data_ptr<scalar_t>(), indices.const_data_ptr<int32_t>(),
                                  weight.const_data_ptr<scalar_t>(),
                                  bias.has_value() ? bias->const_data_ptr<scalar_t>() : nullptr,
                                  out.mutable_data_ptr<scalar_t>(), batch, bc, x.size(1), conn, labels);
   });
+  check_index_range(in_range, indices, x.size(1));
   return out;
 }
 
@@ -160,11 +193,13 @@ at::Tensor backward_input_cpu(const at::Tensor& grad_out, const at::Tensor& indi
   const int64_t batch = grad_out.size(0), conn = indices.size(0), labels = indices.size(1);
   auto grad_x = grad_out.new_zeros({batch, in_features});
   if (batch == 0) return grad_x;
+  bool in_range = true;
   AT_DISPATCH_FLOATING_TYPES(grad_out.scalar_type(), "uniform_sparse_backward_input_cpu", [&] {
-    backward_input_cpu_kernel<scalar_t>(grad_out.const_data_ptr<scalar_t>(), indices.const_data_ptr<int32_t>(),
+    in_range = backward_input_cpu_kernel<scalar_t>(grad_out.const_data_ptr<scalar_t>(), indices.const_data_ptr<int32_t>(),
                                         weight.const_data_ptr<scalar_t>(), grad_x.mutable_data_ptr<scalar_t>(),
                                         batch, conn, labels, in_features);
   });
+  check_index_range(in_range, indices, in_features);
   return grad_x;
 }
 
@@ -178,11 +213,13 @@ std::tuple<at::Tensor, at::Tensor> backward_weight_cpu(const at::Tensor& grad_ou
   if (batch == 0) return {grad_w.zero_(), grad_b.zero_()};
   const int64_t bc = batch_chunk(batch, x.size(1));
   const auto xc = chunked_transpose(x, bc);
+  bool in_range = true;
   AT_DISPATCH_FLOATING_TYPES(grad_out.scalar_type(), "uniform_sparse_backward_weight_cpu", [&] {
-    backward_weight_cpu_kernel<scalar_t>(grad_out.const_data_ptr<scalar_t>(), xc.const_data_ptr<scalar_t>(),
+    in_range = backward_weight_cpu_kernel<scalar_t>(grad_out.const_data_ptr<scalar_t>(), xc.const_data_ptr<scalar_t>(),
                                          indices.const_data_ptr<int32_t>(), grad_w.mutable_data_ptr<scalar_t>(),
                                          grad_b.mutable_data_ptr<scalar_t>(), batch, bc, x.size(1), conn, labels);
   });
+  check_index_range(in_range, indices, x.size(1));
   return {grad_w, grad_b};
 }
 

@@ -28,6 +28,7 @@ SOURCES_CUDA = ("cuda/uniform_sparse_cuda.cu", "cuda/uniform_sparse_rows_cuda.cu
                 "cuda/l2_read_probe.cu")
 HEADERS = ("schema.h", "checks.h", "cuda/uniform_sparse_common.cuh", "cuda/uniform_sparse_kernels.cuh",
            "cuda/uniform_sparse_rows_kernels.cuh", "cuda/squared_hinge_kernels.cuh")
+NO_GPU_ARCHS = "none visible"
 CFLAGS = ["-O3", "-fopenmp"]
 LDFLAGS = ["-fopenmp"]
 CUDA_CFLAGS = ["-O3"]
@@ -66,7 +67,7 @@ def cuda_archs() -> str:
     if env:
         return env
     if not torch.cuda.is_available():
-        return "none visible"
+        return NO_GPU_ARCHS
     caps = {torch.cuda.get_device_capability(i) for i in range(torch.cuda.device_count())}
     return ";".join(f"{major}.{minor}" for major, minor in sorted(caps))
 
@@ -129,12 +130,14 @@ def _build_variant(variant: str, verbose: bool) -> Path:
             (build_dir / "lock").unlink()
         from torch.utils.cpp_extension import load
         try:
-            load(name=name, sources=[str(f) for f in files], extra_cflags=CFLAGS, extra_ldflags=LDFLAGS,
-                 extra_cuda_cflags=CUDA_CFLAGS, build_directory=str(build_dir), is_python_module=False,
+            # Copies: torch appends its own flags to these lists (the CUDA libraries, for a CUDA build), and a
+            # CPU build after a failed CUDA one must not link them.
+            load(name=name, sources=[str(f) for f in files], extra_cflags=list(CFLAGS), extra_ldflags=list(LDFLAGS),
+                 extra_cuda_cflags=list(CUDA_CFLAGS), build_directory=str(build_dir), is_python_module=False,
                  verbose=verbose)
         except Exception as exc:  # compiler missing, compile error, ...
             failed.write_text(f"{type(exc).__name__}: {exc}\n")
-            raise BuildError(f"building {name} failed: {str(exc).splitlines()[0] if str(exc) else exc!r}") from exc
+            raise BuildError(f"building {name} failed: {(str(exc).splitlines() or [repr(exc)])[0]}") from exc
         done.write_text("built\n")
         return library
 
@@ -146,7 +149,8 @@ def load_compiled(verbose: bool = False) -> tuple[set[str], list[str]]:
     the errors met on the way (empty when the first choice worked).
     """
     errors: list[str] = []
-    variants = (["cuda"] if cuda_buildable() else []) + ["cpu"]
+    # Without a visible GPU or TORCH_CUDA_ARCH_LIST there is no architecture to compile the CUDA kernels for.
+    variants = (["cuda"] if cuda_buildable() and cuda_archs() != NO_GPU_ARCHS else []) + ["cpu"]
     if shutil.which(os.environ.get("CXX", "c++")) is None:
         return set(), [f"no C++ compiler ({os.environ.get('CXX', 'c++')}) on PATH"]
     for variant in variants:

@@ -59,6 +59,16 @@ def check_op_inputs(x: torch.Tensor, indices: torch.Tensor, weight: torch.Tensor
         check_index_range(indices, x.shape[1])
 
 
+def check_layer_input(x: torch.Tensor, in_features: int) -> None:
+    """A layer's input: a floating tensor of shape (..., in_features), as ``nn.Linear`` takes."""
+    if not isinstance(x, torch.Tensor) or x.dim() == 0 or x.shape[-1] != in_features:
+        shape = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
+        raise SparseInputError(f"the layer takes inputs of shape (..., {in_features}) (in_features={in_features}), "
+                               f"got {shape}")
+    if not x.is_floating_point():
+        raise SparseInputError(f"the layer takes floating-point inputs, got {x.dtype}; call x.float()")
+
+
 def check_index_range(indices: torch.Tensor, in_features: int) -> None:
     """Every source index must lie in [0, in_features) (costs a device sync; opt-in)."""
     lo, hi = int(indices.min()), int(indices.max())

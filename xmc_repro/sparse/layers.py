@@ -9,7 +9,7 @@ from torch import nn
 
 from xmc_repro.validation import INITS
 
-from .checks import check_layer_sizes
+from .checks import check_layer_input, check_layer_sizes
 from .op import uniform_sparse_linear
 from .rewire import (distinct_positions, lowest_magnitude, random_positions, redraw_sources_,
                      redraw_with_replacement_, sample_uniform_sources)
@@ -74,6 +74,7 @@ class UniformSparseLinear(nn.Module):
         init_sparse_(self.weight, self.bias, init, connectivity, generator)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        check_layer_input(x, self.in_features)
         lead = x.shape[:-1]
         out = uniform_sparse_linear(x.reshape(-1, x.shape[-1]), self.indices, self.weight, self.bias)
         return out.reshape(*lead, self.out_features)
@@ -229,6 +230,7 @@ class UnstructuredSparseLinear(nn.Module):
         super()._load_from_state_dict(*args, **kwargs)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        check_layer_input(x, self.in_features)
         lead = x.shape[:-1]
         # In the weights' dtype, autocast or not (bf16-mixed hands over bf16 activations): torch's CSR products take
         # one dtype, and MKL's have no bf16 at all. So the layer computes as the uniform op does under autocast.

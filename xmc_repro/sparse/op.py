@@ -136,6 +136,44 @@ def _backward(ctx, grad):
     return grad_x, None, grad_w, grad_b
 
 
+# Both backward ops are linear in each tensor argument, and their derivatives are the three ops again, so
+# gradients of any order are exact (double backward, gradient penalties, Hessian-vector products):
+#   grad_x = backward_input(g, w):            d/dg <- forward(gg_x, w)        d/dw <- backward_weight(g, gg_x)[0]
+#   (grad_w, grad_b) = backward_weight(g, x): d/dg <- forward(x, gg_w, gg_b)  d/dx <- backward_input(g, gg_w)
+
+
+def _setup_backward_input(ctx, inputs, output):
+    grad_out, indices, weight, _ = inputs
+    ctx.save_for_backward(grad_out if ctx.needs_input_grad[2] else None, indices,
+                          weight if ctx.needs_input_grad[0] else None)
+
+
+def _backward_of_backward_input(ctx, gg_x):
+    grad_out, indices, weight = ctx.saved_tensors
+    ops, gg_x = torch.ops.xmc_sparse, gg_x.contiguous()
+    d_grad = ops.forward(gg_x.to(weight.dtype), indices, weight, None) if ctx.needs_input_grad[0] else None
+    d_weight = ops.backward_weight(grad_out, gg_x.to(grad_out.dtype), indices)[0] if ctx.needs_input_grad[2] else None
+    return d_grad, None, d_weight, None
+
+
+def _setup_backward_weight(ctx, inputs, output):
+    grad_out, x, indices = inputs
+    ctx.save_for_backward(grad_out if ctx.needs_input_grad[1] else None, x if ctx.needs_input_grad[0] else None,
+                          indices)
+    ctx.in_features, ctx.x_dtype, ctx.dtype = x.shape[1], x.dtype, grad_out.dtype
+
+
+def _backward_of_backward_weight(ctx, gg_w, gg_b):
+    grad_out, x, indices = ctx.saved_tensors
+    if gg_w is None:
+        gg_w = torch.zeros(indices.shape, dtype=ctx.dtype, device=indices.device)
+    ops, gg_w = torch.ops.xmc_sparse, gg_w.contiguous()
+    gg_b = None if gg_b is None else gg_b.contiguous()
+    d_grad = ops.forward(x, indices, gg_w, gg_b) if ctx.needs_input_grad[0] else None
+    d_x = ops.backward_input(grad_out, indices, gg_w, ctx.in_features).to(ctx.x_dtype) if ctx.needs_input_grad[1] else None
+    return d_grad, d_x, None
+
+
 # ---------------------------------------------------------------- registration
 
 
@@ -198,7 +236,10 @@ def _register() -> dict[str, str]:
             if name in _BF16_INPUT_OPS and backends[device].startswith("compiled-cuda"):
                 continue  # these kernels take bf16 inputs as they come (uniform_sparse_linear casts the rest)
             torch.library.register_autocast(f"{NAMESPACE}::{name}", device, torch.float32, lib=lib)
-    torch.library.register_autograd(f"{NAMESPACE}::forward", _backward, setup_context=_setup_context, lib=lib)
+    for name, backward, setup in (("forward", _backward, _setup_context),
+                                  ("backward_input", _backward_of_backward_input, _setup_backward_input),
+                                  ("backward_weight", _backward_of_backward_weight, _setup_backward_weight)):
+        torch.library.register_autograd(f"{NAMESPACE}::{name}", backward, setup_context=setup, lib=lib)
     return backends
 
 
@@ -229,8 +270,9 @@ def uniform_sparse_linear(x: torch.Tensor, indices: torch.Tensor, weight: torch.
     bias (out_features,) or None. Under ``torch.autocast`` x may be bf16/fp16: the scores come out in the
     weight's dtype; bf16 x with float32 weights is gathered as bf16 by the compiled CUDA kernels (float32
     accumulation), and cast to the weight's dtype elsewhere. bf16 x is also taken outside autocast there.
-    ``check_indices=True`` (or env ``XMC_SPARSE_CHECK_INDICES=1``) verifies that every index lies in [0, in_features) --
-    out-of-range indices are undefined behaviour in the compiled kernels.
+    Every index must lie in [0, in_features): on the CPU both backends raise otherwise; in the CUDA kernels an
+    index outside is undefined behaviour unless ``check_indices=True`` (or env ``XMC_SPARSE_CHECK_INDICES=1``) checks
+    them first, which waits for the device. ``UniformSparseLinear`` keeps its indices in range.
     """
     if check_indices is None:
         check_indices = os.environ.get("XMC_SPARSE_CHECK_INDICES", "0") not in ("", "0")

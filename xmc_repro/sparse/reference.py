@@ -7,12 +7,16 @@ from __future__ import annotations
 
 import torch
 
+from .checks import check_index_range
+
 # Largest temporary, in elements (16 MiB of float32).
 _CHUNK_ELEMENTS = 1 << 22
 
 
-def _slots(indices: torch.Tensor, batch: int):
+def _slots(indices: torch.Tensor, batch: int, in_features: int):
     """(k, label slice, int64 sources) for every connection slot: labels in chunks, connections one at a time."""
+    if indices.device.type == "cpu":  # as the compiled CPU kernels; on a GPU the check would wait for the device
+        check_index_range(indices, in_features)
     connectivity, out_features = indices.shape
     step = max(1, _CHUNK_ELEMENTS // max(batch, 1))
     for start in range(0, out_features, step):
@@ -26,7 +30,7 @@ def forward(x: torch.Tensor, indices: torch.Tensor, weight: torch.Tensor,
     """out[b, j] = sum_k weight[k, j] * x[b, indices[k, j]] + bias[j]."""
     batch, out_features = x.shape[0], indices.shape[1]
     out = x.new_zeros(batch, out_features) if bias is None else bias.repeat(batch, 1)  # a copy, never a view
-    for k, cols, src in _slots(indices, batch):
+    for k, cols, src in _slots(indices, batch, x.shape[1]):
         out[:, cols].addcmul_(x.index_select(1, src), weight[k, cols])
     return out
 
@@ -35,7 +39,7 @@ def backward_input(grad_out: torch.Tensor, indices: torch.Tensor, weight: torch.
                    in_features: int) -> torch.Tensor:
     """grad_x[b, i] = sum over (k, j) with indices[k, j] == i of weight[k, j] * grad_out[b, j]."""
     grad_x = grad_out.new_zeros(grad_out.shape[0], in_features)
-    for k, cols, src in _slots(indices, grad_out.shape[0]):
+    for k, cols, src in _slots(indices, grad_out.shape[0], in_features):
         grad_x.index_add_(1, src, grad_out[:, cols] * weight[k, cols])
     return grad_x
 
@@ -45,7 +49,7 @@ def backward_weight(grad_out: torch.Tensor, x: torch.Tensor,
     """(grad_weight, grad_bias): grad_weight[k, j] = sum_b grad_out[b, j] * x[b, indices[k, j]] and
     grad_bias[j] = sum_b grad_out[b, j] (the kernels sum it from the gradient columns they read anyway)."""
     grad_w = grad_out.new_empty(indices.shape)
-    for k, cols, src in _slots(indices, grad_out.shape[0]):
+    for k, cols, src in _slots(indices, grad_out.shape[0], x.shape[1]):
         torch.sum(grad_out[:, cols] * x.index_select(1, src), dim=0, out=grad_w[k, cols])
     return grad_w, grad_out.sum(0)
 
