@@ -130,9 +130,32 @@ def test_resume_names_what_is_missing(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     with pytest.raises(ConfigError, match=r"resume=0123abc: neither a checkpoint file nor a run with checkpoints/0123"):
         resume_checkpoint("0123abc")
+    for path in ("gone/last.ckpt", "gone.ckpt"):  # a path, not a run id: named as given
+        with pytest.raises(ConfigError, match=rf"^resume={path}: no such checkpoint file in .*; give the path of a"):
+            resume_checkpoint(path)
     (tmp_path / "junk.ckpt").write_bytes(b"not a checkpoint")
-    with pytest.raises(ConfigError, match="not a readable checkpoint"):
+    with pytest.raises(ConfigError, match="not a readable checkpoint .*; give a run id or a .ckpt file"):
         checkpoints.read(resume_checkpoint(str(tmp_path / "junk.ckpt")))
+
+
+def test_an_empty_resume_or_fewer_epochs_than_done_are_refused_before_the_run_is_touched(tmp_path):
+    """`resume=` with an unset variable would start a new run; `trainer.max_epochs` below the epochs a checkpoint has
+    completed failed inside Lightning, with a traceback, after the run was reopened."""
+    import torch
+
+    from xmc_repro.resume import prepare
+
+    with pytest.raises(ConfigError, match=r"^resume= is empty; pass the run id or checkpoint path"):
+        prepare(OmegaConf.create({"resume": " "}), explicit=["resume"], multirun=False)
+    stored = {"trainer": {"max_epochs": 6}, "resume": None}
+    path = tmp_path / "last.ckpt"
+    torch.save({"state_dict": {}, "loops": {"fit_loop": {"epoch_progress": {"current": {"completed": 3}}}},
+                checkpoints.STATE_KEY: {"config": OmegaConf.to_yaml(stored), "run_id": "r1"}}, path)
+    command_line = lambda epochs: OmegaConf.create({"resume": str(path), "trainer": {"max_epochs": epochs}})
+    with pytest.raises(ConfigError, match=r"^resume: trainer.max_epochs=2 is below the 3 epochs .*max_epochs=3 or more$"):
+        prepare(command_line(2), explicit=["resume", "trainer.max_epochs"], multirun=False)
+    merged, resumed_from, run_id = prepare(command_line(3), explicit=["resume", "trainer.max_epochs"], multirun=False)
+    assert merged.trainer.max_epochs == 3 and resumed_from == path and run_id == "r1"
 
 
 def test_reopening_a_run(tmp_path, store):

@@ -68,7 +68,29 @@ REFUSED = {
                                    "choose one of keras, torch"),
     "shuffle_buffer_0": (["trainer.shuffle_buffer=0"], "trainer.shuffle_buffer=0 must be an integer >= 1"),
     "progress_bar_number": (["trainer.progress_bar=2"], "trainer.progress_bar=2 must be true or false"),
+    "train_eval_max_points_0": (["trainer.train_eval_max_points=0"], "trainer.train_eval_max_points=0 must be an "
+                                "integer >= 1; or null for every training point"),
+    "holdout_fraction_0": (["dataset.holdout_fraction=0"], "dataset.holdout_fraction=0 must be a finite number in (0, 1)"),
+    "experiment_name_empty": (["logger.experiment_name="], "logger.experiment_name='' must be a non-empty name"),
+    # model.head names what model=<head> builds; changing it alone trained the uniform head, recorded as dense
+    "head_without_its_model": (["model.head=dense"], "this config builds xmc_repro.sparse.UniformSparseLinear; pick the "
+                               "head with model=dense"),
+    "connectivity_float": (["model.connectivity=8.0"], "model.connectivity=8.0 must be a positive integer"),
+    # refused by the data sources only once the run had opened
+    "num_train_negative": (["dataset.num_train=-5"], "dataset.num_train=-5 must be an integer >= 1"),
+    "labels_per_point_0": (["dataset.labels_per_point=0"], "dataset.labels_per_point=0 must be a finite number >= 1"),
+    "kind_unknown": (["dataset.kind=foo"], "dataset.kind='foo' is unknown; choose one of synthetic, xc, npy"),
+    "xc_without_test_file": (["dataset=xc", "dataset.train_file=a.txt"], "dataset.test_file is not set"),
+    "normalize_unknown": (["dataset=bibtex", "dataset.normalize=foo"], "dataset.normalize='foo' is unknown"),
     # Lightning refuses these too, but with a traceback
+    "num_workers_negative": (["trainer.num_workers=-1"], "trainer.num_workers=-1 must be an integer >= 0"),
+    "num_workers_word": (["trainer.num_workers=abc"], "trainer.num_workers='abc' must be an integer >= 0"),
+    "devices_0": (["trainer.devices=0"], "trainer.devices=0 must be a number of devices (-1 or auto: all), or device"),
+    "devices_word": (["trainer.devices=abc"], "trainer.devices='abc' must be a number of devices"),
+    "devices_bad_id": (["trainer.devices=[0,-2]"], "must be a number of devices"),
+    "strategy_unknown": (["trainer.strategy=foo"], "trainer.strategy='foo' is not one this pipeline runs; use "
+                         "trainer=ddp for several devices"),
+    "strategy_spawn": (["trainer.strategy=ddp_spawn"], "trainer.strategy='ddp_spawn' is not one this pipeline runs"),
     "precision_unknown": (["trainer.precision=fp32"], "trainer.precision='fp32' is unknown; choose one of 32-true,"),
     "accelerator_unknown": (["trainer.accelerator=gpuu"], "trainer.accelerator='gpuu' is unknown; choose one of auto,"),
 }
@@ -96,6 +118,10 @@ ACCEPTED = [
     ["model=mach"], ["model=bottleneck"], ["model=unstructured"],
     ["trainer.restore_best=always"], ["trainer.shuffle_buffer=null"], ["trainer.shuffle_buffer=1"],
     ["trainer.adam_eps_placement=torch"],
+    ["trainer.devices=2"], ["trainer.devices=-1"], ["trainer.devices=auto"], ["trainer.devices=[0,1]"],
+    ["trainer.devices='0,1'"], ["trainer=ddp"], ["trainer.strategy=ddp"], ["trainer.num_workers=2"],
+    ["trainer.train_eval_max_points=null"], ["validate_on=holdout", "dataset.holdout_fraction=0.2"],
+    ["model=dense", "model.head=dense"],
 ]
 
 
@@ -113,6 +139,25 @@ def test_a_gpu_asked_for_where_there_is_none_is_refused_before_the_run(monkeypat
     with pytest.raises(ConfigError, match=r"^trainer.accelerator=gpu but no CUDA device is visible here; use "):
         train.validate(compose(["trainer.accelerator=gpu"]))
     train.validate(compose(["trainer.accelerator=cpu"]))
+
+
+def test_gpu_ids_on_the_cpu_are_refused_before_the_run(monkeypatch):
+    import torch
+
+    from xmc_repro import train
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(ConfigError, match=r"^trainer.devices=\[0\] names GPU ids, and this run is on the CPU; give a"):
+        train.validate(compose(["trainer.devices=[0]"]))
+
+
+def test_a_grid_without_multirun_is_refused(tmp_path):
+    """experiment=table1 without -m trained the default configuration once, tagged table1."""
+    result = subprocess.run([sys.executable, "-m", "xmc_repro", "experiment=table1", "scale=smoke"], env=cli_env(),
+                            capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert stderr_lines(result.stderr) == ["error: experiment=table1 is a grid of runs (dataset, +experiment/row); run "
+                                           "it with -m: python -m xmc_repro -m experiment=table1 scale=smoke"]
 
 
 def test_positive_int_is_the_one_check_of_sizes():

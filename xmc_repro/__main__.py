@@ -80,11 +80,11 @@ def _task(cfg: DictConfig):
     try:
         from hydra.core.hydra_config import HydraConfig
 
-        from xmc_repro.cli import added_setting
+        from xmc_repro.cli import added_setting, grid_without_multirun
 
-        added = added_setting(list(HydraConfig.get().overrides.task))
-        if added:
-            raise ConfigError(added)
+        problem = added_setting(list(HydraConfig.get().overrides.task)) or grid_without_multirun(HydraConfig.get())
+        if problem:
+            raise ConfigError(problem)
         if cfg.get("resume") is None:  # a resumed run's settings are the run's own: checked once they are loaded
             from xmc_repro.validation import validate
 

@@ -115,7 +115,7 @@ def load(path: str | Path, setting: str = "resume") -> dict:
     try:
         unknown = sorted(pickled_globals(path) - ALLOWED_GLOBALS)
     except Exception as error:  # unreadable, truncated, not a torch zip file
-        raise ConfigError(f"{setting}={path}: not a readable checkpoint ({type(error).__name__}: {error})") from None
+        raise ConfigError(f"{setting}={path}: not a readable checkpoint ({type(error).__name__}: {error}); {_ANOTHER}") from None
     if unknown:
         raise ConfigError(
             f"{setting}={path}: refused, the checkpoint would import {', '.join(unknown[:3])} (a checkpoint holds only "
@@ -125,19 +125,24 @@ def load(path: str | Path, setting: str = "resume") -> dict:
         checkpoint = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
     except Exception as error:
         reason = " ".join(str(error).split())[:200]
-        raise ConfigError(f"{setting}={path}: not a readable checkpoint ({type(error).__name__}: {reason})") from None
+        raise ConfigError(f"{setting}={path}: not a readable checkpoint ({type(error).__name__}: {reason}); {_ANOTHER}") from None
     if not isinstance(checkpoint, dict) or not isinstance(checkpoint.get("state_dict"), dict):
         raise ConfigError(f"{setting}={path}: not a Lightning checkpoint (no state_dict in it)")
     return checkpoint
 
 
+_ANOTHER = "give a run id or a .ckpt file written by python -m xmc_repro"
+
+
 def read(path: str | Path) -> dict:
-    """Our section of a checkpoint file: config (YAML), run_id, ...; ConfigError when it is not one of ours."""
+    """Our section of a checkpoint file (config as YAML, run_id, ...) and `completed_epochs`, Lightning's current
+    epoch once the checkpoint is restored; ConfigError when it is not one of ours."""
     checkpoint = load(path)
     section = checkpoint.get(STATE_KEY)
     if not isinstance(section, dict) or not isinstance(section.get("config"), str):
         raise ConfigError(f"resume={path}: not a checkpoint written by python -m xmc_repro (no run config in it)")
-    return section
+    progress = checkpoint.get("loops", {}).get("fit_loop", {}).get("epoch_progress", {}).get("current", {})
+    return {**section, "completed_epochs": int(progress.get("completed", 0))}
 
 
 def load_checked(path: str | Path, model: torch.nn.Module, setting: str = "resume") -> dict:

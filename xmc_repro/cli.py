@@ -160,3 +160,16 @@ def added_setting(overrides: list[str]) -> str | None:
             "python -m xmc_repro --cfg job lists every setting"
         return f"unknown setting '{key}': '+' added it, but nothing reads it; {hint}"
     return None
+
+
+def grid_without_multirun(hydra_config) -> str | None:
+    """One line when an `experiment=` grid (its `hydra.sweeper.params`) is run without `-m`: Hydra would train the
+    default configuration once, tagged as the table's. None otherwise."""
+    from hydra.types import RunMode
+
+    params = OmegaConf.select(hydra_config, "sweeper.params", default=None)
+    if hydra_config.mode == RunMode.MULTIRUN or not params:
+        return None
+    grid = " ".join(o for o in hydra_config.overrides.task if o.startswith("experiment="))
+    return (f"{grid or 'this config'} is a grid of runs ({', '.join(map(str, params))}); "
+            f"run it with -m: python -m xmc_repro -m {' '.join(hydra_config.overrides.task)}")

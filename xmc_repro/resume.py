@@ -40,6 +40,9 @@ def resume_checkpoint(value, tracking_uri: str | None = None) -> Path:
         return given
     if given.is_dir() and (given / checkpoints.LAST).is_file():
         return given / checkpoints.LAST
+    if given.suffix == ".ckpt" or len(given.parts) > 1:  # a path, not a run id
+        raise ConfigError(f"resume={value}: no such checkpoint file in {Path.cwd()}; give the path of a run's "
+                          f"{checkpoints.LAST}, or its run id")
     run_dir = CHECKPOINT_ROOT / str(value)
     by_run = run_dir / checkpoints.LAST
     if by_run.is_file():
@@ -125,11 +128,18 @@ def prepare(cfg: DictConfig, explicit: list[str], multirun: bool) -> tuple[DictC
 
     `explicit`: the config keys given on the command line; `multirun`: launched by `-m`.
     """
-    if not cfg.get("resume"):
+    if cfg.get("resume") is None:
         return cfg, None, None
+    if not str(cfg.resume).strip():  # e.g. resume=$RUN_ID with the variable unset: not a new run
+        raise ConfigError("resume= is empty; pass the run id or checkpoint path to continue, or drop resume= to "
+                          "start a new run")
     if multirun:
         raise ConfigError(f"resume={cfg.resume} continues one run: run it without -m")
     path = resume_checkpoint(cfg.resume, OmegaConf.select(cfg, "logger.tracking_uri", default=None))
     saved = checkpoints.read(path)
     merged = resume_config(cfg, OmegaConf.create(saved["config"]), explicit)
+    done, max_epochs = saved["completed_epochs"], OmegaConf.select(merged, "trainer.max_epochs")
+    if isinstance(max_epochs, int) and max_epochs < done:  # Lightning refuses it with a traceback, mid-run
+        raise ConfigError(f"resume: trainer.max_epochs={max_epochs} is below the {done} epochs the run had completed "
+                          f"at its last checkpoint; set trainer.max_epochs={done} or more")
     return merged, path, saved["run_id"]

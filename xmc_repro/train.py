@@ -39,6 +39,11 @@ def validate(cfg: DictConfig) -> None:
     if accelerator in ("gpu", "cuda") and not torch.cuda.is_available():  # Lightning's error is a traceback
         raise ConfigError(f"trainer.accelerator={accelerator} but no CUDA device is visible here; use "
                           "trainer.accelerator=auto (a GPU when there is one) or cpu")
+    devices = cfg.trainer.devices
+    on_cpu = accelerator == "cpu" or (accelerator == "auto" and not torch.cuda.is_available())
+    if on_cpu and (OmegaConf.is_list(devices) or (isinstance(devices, str) and "," in devices)):
+        raise ConfigError(f"trainer.devices={devices} names GPU ids, and this run is on the CPU; give a number of "
+                          "processes there, e.g. trainer.devices=2")
     problem = launch_problem(cfg.trainer, multirun=bool(sweep_tags()))
     if problem:
         raise ConfigError(problem)

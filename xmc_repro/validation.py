@@ -31,6 +31,16 @@ BEFORE_THE_SETTING = {"restore_best": "always", "adam_eps_placement": "torch"}
 # Lightning's precisions (its short names too) and accelerators, refused here in one line rather than by Lightning
 PRECISIONS = ("32-true", "bf16-mixed", "16-mixed", "64-true", "bf16-true", "16-true", "32", "bf16", "16", "64")
 ACCELERATORS = ("auto", "cpu", "gpu", "cuda", "mps", "tpu")
+# Lightning strategies by name that the pipeline runs (trainer=ddp sets a DDPStrategy config); the spawning and
+# forking ones failed to start their ranks, the sharding ones do not fit a sparse layer's int32 buffer.
+STRATEGIES = ("auto", "ddp", "ddp_find_unused_parameters_false", "ddp_find_unused_parameters_true", "single_device")
+DATASET_KINDS = ("synthetic", "xc", "npy")  # dataset.kind: generated, one XC text file per split, the authors' layout
+NORMALIZATIONS = ("tfidf", "l2", "none")  # dataset.normalize of bag-of-words (XC text) features
+# The built-in heads (conf/model/<head>.yaml) and the class each builds: `model.head` names the class, it does not
+# choose it (model=<head> does).
+HEAD_TARGETS = {"uniform": "xmc_repro.sparse.UniformSparseLinear", "dense": "torch.nn.Linear",
+                "unstructured": "xmc_repro.sparse.UnstructuredSparseLinear", "bottleneck": "xmc_repro.model.Bottleneck",
+                "mach": "xmc_repro.mach.MachHead.from_settings"}
 
 
 def authors_unstructured_rewire_fraction(intermediate) -> float:
@@ -77,7 +87,7 @@ def check_layer_sizes(in_features: int, out_features: int, connectivity: int) ->
     if connectivity > in_features:
         raise ConfigError(
             f"model.connectivity={connectivity} exceeds the layer's {in_features} input features; "
-            f"set model.connectivity <= {in_features} (or use model.head=dense)")
+            f"set model.connectivity <= {in_features} (or use model=dense)")
     if connectivity * out_features >= INT32_LIMIT:
         raise ConfigError(
             f"model.connectivity * labels = {connectivity} * {out_features} >= 2**31 does not fit the int32 "
@@ -131,9 +141,16 @@ def validate(cfg: DictConfig) -> None:
     for key, choices in (("restore_best", RESTORE_BEST), ("adam_eps_placement", EPS_PLACEMENTS)):
         choice(OmegaConf.select(cfg, t + key, default=BEFORE_THE_SETTING[key]), t + key, choices)
     _optional_positive(cfg, t + "shuffle_buffer", "or null for a uniform permutation every epoch")
+    _optional_positive(cfg, t + "train_eval_max_points", "or null for every training point")
+    number(cfg, t + "num_workers", int, low=0, fix="processes loading batches; 0 loads them in the training process")
+    _devices(cfg)
     _limit_train_batches(cfg)
     choice(str(OmegaConf.select(cfg, t + "precision")), t + "precision", PRECISIONS)
     choice(str(OmegaConf.select(cfg, t + "accelerator")), t + "accelerator", ACCELERATORS)
+    strategy = OmegaConf.select(cfg, t + "strategy")
+    if not OmegaConf.is_dict(strategy) and str(strategy).lower() not in STRATEGIES:  # a dict: a `_target_` config
+        raise ConfigError(f"trainer.strategy={strategy!r} is not one this pipeline runs; use trainer=ddp for several "
+                          f"devices, or one of {', '.join(STRATEGIES)}")
     for key in (t + "progress_bar", t + "cuda_graph", t + "memory_report"):
         if not isinstance(OmegaConf.select(cfg, key, default=True), bool):
             raise ConfigError(f"{key}={OmegaConf.select(cfg, key)!r} must be true or false")
@@ -146,9 +163,49 @@ def validate(cfg: DictConfig) -> None:
         positive_int(OmegaConf.select(cfg, "callbacks.time.step_window", default=100), "callbacks.time.step_window",
                      example=100)
     number(cfg, "dataset.dropout", low=0, high=1, high_open=True)
+    if OmegaConf.select(cfg, "dataset.holdout_fraction", default=None) is not None:
+        number(cfg, "dataset.holdout_fraction", low=0, high=1, low_open=True, high_open=True,
+               fix="the share of the training points that validate_on=holdout sets aside, e.g. 0.1")
+    name = OmegaConf.select(cfg, "logger.experiment_name", default="default")
+    if not isinstance(name, str) or not name.strip():
+        raise ConfigError(f"logger.experiment_name={name!r} must be a non-empty name, e.g. logger.experiment_name=xmc")
+    _dataset(cfg)
     if cfg.validate_on not in ("test", "holdout"):
         raise ConfigError(f"validate_on={cfg.validate_on!r} must be 'test' (the authors' protocol) or 'holdout'")
     _model(cfg)
+
+
+def _dataset(cfg: DictConfig) -> None:
+    """What the data sources would refuse after the run has opened (xmc_repro.data.sources, .synthetic)."""
+    kind = choice(OmegaConf.select(cfg, "dataset.kind"), "dataset.kind", DATASET_KINDS)
+    if kind == "synthetic":
+        for key in ("num_train", "num_test", "num_features", "num_labels", "latent_dim", "chunk_size"):
+            _optional_positive(cfg, f"dataset.{key}", "")
+        if OmegaConf.select(cfg, "dataset.labels_per_point", default=None) is not None:
+            number(cfg, "dataset.labels_per_point", low=1, fix="labels per point on average")
+    if kind == "xc":
+        for key in ("train_file", "test_file"):
+            if not OmegaConf.select(cfg, f"dataset.{key}", default=None):
+                raise ConfigError(f"dataset.{key} is not set; pass dataset.train_file=PATH dataset.test_file=PATH")
+        choice(OmegaConf.select(cfg, "dataset.normalize", default="l2"), "dataset.normalize", NORMALIZATIONS)
+
+
+def _devices(cfg: DictConfig) -> None:
+    """A number of devices (-1: all), auto, or device ids as a list or a comma string ("0,1"), as Lightning takes."""
+    value = OmegaConf.select(cfg, "trainer.devices")
+    if OmegaConf.is_list(value):
+        ids = list(value)
+    elif isinstance(value, str) and "," in value:
+        ids = [part for part in value.split(",") if part.strip()]
+    else:
+        ids = None
+    if ids is not None:
+        ok = bool(ids) and all(_is_int(i) and int(i) >= 0 and not isinstance(i, bool) for i in ids)
+    else:
+        ok = value == "auto" or (not isinstance(value, bool) and _is_int(value) and (int(value) >= 1 or int(value) == -1))
+    if not ok:
+        raise ConfigError(f"trainer.devices={value!r} must be a number of devices (-1 or auto: all), or device ids "
+                          "such as [0,1]")
 
 
 def _limit_train_batches(cfg: DictConfig) -> None:
@@ -165,6 +222,10 @@ def _limit_train_batches(cfg: DictConfig) -> None:
 
 def _model(cfg: DictConfig) -> None:
     m = cfg.model
+    target = HEAD_TARGETS.get(m.get("head"))
+    if target is not None and m.get("_target_") != target:
+        raise ConfigError(f"model.head={m.head} names the class a head config builds, not a choice: this config builds "
+                          f"{m.get('_target_')}; pick the head with model={m.head}")
     if m.intermediate is not None and not (_is_int(m.intermediate) and int(m.intermediate) > 0):
         raise ConfigError(
             f"model.intermediate={m.intermediate} must be a positive layer size, or null for no intermediate layer"
@@ -176,7 +237,10 @@ def _model(cfg: DictConfig) -> None:
     # when the head is built, with the same message.
     for key, example in (("connectivity", 32), ("bottleneck", 64), ("mach.num_hashes", 8), ("mach.num_buckets", 1024)):
         if OmegaConf.select(m, key.split(".")[0]) is not None:
-            positive_int(OmegaConf.select(m, key), f"model.{key}", example=example)
+            value = OmegaConf.select(m, key)
+            if isinstance(value, float):  # a layer is built from ints; 8.0 would fail only once the run has opened
+                raise ConfigError(f"model.{key}={value!r} must be a positive integer; set e.g. model.{key}={example}")
+            positive_int(value, f"model.{key}", example=example)
     _precision(cfg)
 
 

@@ -181,7 +181,8 @@ class XMCDataModule(pl.LightningDataModule):
         self.validate_on = validate_on or self.cfg.get("validate_on") or "test"
         self.pin_memory = pin_memory
         self.shuffle_buffer = None if shuffle_buffer is None else int(shuffle_buffer)
-        self.holdout_fraction = float(self.cfg.get("holdout_fraction") or 0.1)
+        fraction = self.cfg.get("holdout_fraction")
+        self.holdout_fraction = 0.1 if fraction is None else float(fraction)
         if self.validate_on not in ("test", "holdout"):
             raise ConfigError(f"validate_on={self.validate_on!r} must be 'test' (the authors' protocol) or 'holdout'")
         if not 0 < self.holdout_fraction < 1:

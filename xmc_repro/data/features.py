@@ -73,9 +73,6 @@ def normalize_rows(x: sp.csr_matrix, how: str) -> sp.csr_matrix:
     return sp.csr_matrix(sp.diags(1.0 / norms) @ scaled, dtype=np.float32)
 
 
-NORMALIZATIONS = ("tfidf", "l2", "none")
-
-
 def inverse_document_frequency(train: sp.csr_matrix) -> np.ndarray:
     """Smoothed idf of every feature over the training rows: ln((1 + N) / (1 + df)) + 1 (float32).
 

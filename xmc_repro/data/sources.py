@@ -19,14 +19,14 @@ from pathlib import Path
 import numpy as np
 import scipy.sparse as sp
 
-from xmc_repro.data.features import (NORMALIZATIONS, inverse_document_frequency, load_npy_features,
+from xmc_repro.data.features import (inverse_document_frequency, load_npy_features,
                                      normalize_rows, tfidf_rows)
 from xmc_repro.data.labels import LabelCSR
 from xmc_repro.data.synthetic import SyntheticModel, SyntheticSpec
 from xmc_repro.data.xc_format import read_labels, read_xc
 from xmc_repro.errors import ConfigError, DataError, DataWarning
+from xmc_repro.validation import DATASET_KINDS, NORMALIZATIONS
 
-KINDS = ("synthetic", "xc", "npy")
 
 # Where the embeddings of the paper's datasets come from (named in the error for missing files).
 FEATURE_SOURCES = {
@@ -83,7 +83,7 @@ def load_splits(cfg: dict) -> tuple[Split, Split]:
         return _xc(cfg)
     if kind == "npy":
         return _npy(cfg)
-    raise ConfigError(f"dataset.kind={kind!r} is unknown; use one of {', '.join(KINDS)} (or pick a dataset=... preset)")
+    raise ConfigError(f"dataset.kind={kind!r} is unknown; use one of {', '.join(DATASET_KINDS)} (or pick a dataset=... preset)")
 
 
 def _synthetic(cfg) -> tuple[Split, Split]:
