@@ -162,6 +162,29 @@ def test_full_disk_while_checkpointing(tmp_path):
     assert not tmp.exists() and not tmp.is_symlink() and previous.read_bytes() == b"previous"
 
 
+def test_disk_filling_up_mid_file_is_one_line(tmp_path, monkeypatch):
+    """A disk that fills up after part of the file was written: torch's zip writer raises a RuntimeError while
+    closing the archive, over the ENOSPC; still one StorageError line, and no partial file left."""
+    import errno
+
+    def save_until_full(obj, handle):
+        handle.write(b"the first part")
+        try:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        except OSError:
+            raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 144064 vs 143984")
+
+    monkeypatch.setattr(torch, "save", save_until_full)
+    tmp = tmp_path / "best.ckpt.tmp"
+    with pytest.raises(StorageError, match=r"^cannot write checkpoint .*best.ckpt.tmp \(no space left on the device\)"):
+        checkpoints.SafeCheckpointIO(None).save_checkpoint({}, tmp)
+    assert not tmp.exists()
+    monkeypatch.setattr(torch, "save", lambda obj, handle: (_ for _ in ()).throw(RuntimeError("a bug")))
+    with pytest.raises(RuntimeError, match="^a bug$"):  # not a storage problem: not dressed up as one
+        checkpoints.SafeCheckpointIO(None).save_checkpoint({}, tmp)
+    assert not tmp.exists()
+
+
 def test_full_disk_through_the_command_line_then_resume(finished, tmp_path):
     """The resumed run's first checkpoint hits a full disk: exit 2, one line, FAILED with failed_at_step, no .tmp
     left; resumed again with space: FINISHED, and the old failure tags are gone."""

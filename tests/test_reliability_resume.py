@@ -61,10 +61,10 @@ def _finished_run(workdir: Path):
     return run
 
 
-def _val_history(workdir: Path, run_id: str) -> list[float]:
+def _history(workdir: Path, run_id: str, metric: str = "val/p_at_3") -> list[float]:
     from mlflow.tracking import MlflowClient
 
-    history = MlflowClient(f"sqlite:///{workdir / 'mlruns.db'}").get_metric_history(run_id, "val/p_at_3")
+    history = MlflowClient(f"sqlite:///{workdir / 'mlruns.db'}").get_metric_history(run_id, metric)
     by_step = {m.step: m.value for m in history}  # a resumed run may log a step twice
     return [by_step[s] for s in sorted(by_step)]
 
@@ -74,7 +74,9 @@ def _compare(reference: Path, resumed: Path) -> None:
     for key, value in ref_run.data.metrics.items():
         if key.startswith(("test/", "train/p_at", "train/ndcg", "train/psp")) or key == "epochs":
             assert res_run.data.metrics[key] == pytest.approx(value, abs=1e-4), key
-    assert _val_history(resumed, res_run.info.run_id) == pytest.approx(_val_history(reference, ref_run.info.run_id))
+    for metric in ("val/p_at_3", "train/loss_epoch"):  # the interrupted epoch's mean loss counts all its batches
+        assert _history(resumed, res_run.info.run_id, metric) == pytest.approx(
+            _history(reference, ref_run.info.run_id, metric), rel=1e-6), metric
     ref_state, res_state = (
         torch.load(next(d.glob("checkpoints/*/last.ckpt")), map_location="cpu", weights_only=False)["state_dict"]
         for d in (reference, resumed)
@@ -100,6 +102,8 @@ def _scenario(tmp_path: Path, store: Path, extra: list[str], how: signal.Signals
         assert interrupted.info.status == "FAILED" and interrupted.data.tags["error"] == message
     result = cli(killed, [f"resume={run_id}", "trainer.progress_bar=false"])
     assert result.returncode == 0, result.stderr[-3000:]
+    if saved["xmc_repro"]["at"] == "step":  # the epoch the run was resumed in gets its line too
+        assert f"epoch {saved['epoch'] + 1}/" in result.stdout + result.stderr
     _, ref_err = ref_process.communicate(timeout=300)
     assert ref_process.returncode == 0, ref_err[-3000:]
     (resumed,) = runs(killed)
@@ -133,6 +137,11 @@ def test_resume_names_what_is_missing(tmp_path, monkeypatch):
     for path in ("gone/last.ckpt", "gone.ckpt"):  # a path, not a run id: named as given
         with pytest.raises(ConfigError, match=rf"^resume={path}: no such checkpoint file in .*; give the path of a"):
             resume_checkpoint(path)
+    (tmp_path / "checkpoints" / "0123abc").mkdir(parents=True)
+    (tmp_path / "checkpoints" / "0123abc" / "best.ckpt").write_bytes(b"")  # last.ckpt deleted: not "no checkpoint"
+    with pytest.raises(ConfigError, match=r"last.ckpt is missing, the run's folder holds best.ckpt; continue from that "
+                                          r"checkpoint's epoch with resume=checkpoints/0123abc/best.ckpt$"):
+        resume_checkpoint("0123abc", "sqlite:///unused.db")
     (tmp_path / "junk.ckpt").write_bytes(b"not a checkpoint")
     with pytest.raises(ConfigError, match="not a readable checkpoint .*; give a run id or a .ckpt file"):
         checkpoints.read(resume_checkpoint(str(tmp_path / "junk.ckpt")))

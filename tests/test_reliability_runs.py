@@ -126,3 +126,27 @@ def test_unreachable_tracking_server_is_reported_within_30_s(tmp_path):
             assert took < 30, took
     finally:
         silent.close()
+
+
+def test_sigterm_outside_fit_ends_the_run_instead_of_the_process():
+    """Lightning handles SIGTERM inside `trainer.fit` only; before it (data, model) and after it (the final test and
+    train evaluations) the default handler killed the process and left the MLflow run RUNNING."""
+    import os
+    from types import SimpleNamespace
+
+    from lightning.pytorch.utilities.exceptions import SIGTERMException
+
+    from xmc_repro.train import failure_message, sigterm_ends_the_run
+
+    before = signal.getsignal(signal.SIGTERM)
+    progress: dict = {}
+    with pytest.raises(SIGTERMException) as info, sigterm_ends_the_run(progress):
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(5)  # the handler raises at once
+    assert failure_message(info.value) == "interrupted (SIGTERM)"
+    # inside fit Lightning's own handler runs first and flags the signal; its loops then stop where they can
+    progress["trainer"] = SimpleNamespace(_signal_connector=SimpleNamespace(received_sigterm=True))
+    with sigterm_ends_the_run(progress):
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(0.1)
+    assert signal.getsignal(signal.SIGTERM) is before

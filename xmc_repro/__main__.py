@@ -120,7 +120,7 @@ def _task(cfg: DictConfig):
         fallback = code if isinstance(code, int) and code else 1
         sys.exit({"SIGTERM": 143, "Ctrl+C": 130}.get(interruption(error), fallback))
     if results:  # empty on DDP ranks other than 0, which record and report nothing
-        print_summary(cfg, results)
+        print_summary(results["config"], results)
     return results
 
 

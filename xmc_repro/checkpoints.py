@@ -247,8 +247,11 @@ def write(checkpoint: dict, path: Path) -> None:
             torch.save(checkpoint, handle)
             handle.flush()
             os.fsync(handle.fileno())
-    except OSError as error:
+    except (OSError, RuntimeError) as raised:
         path.unlink(missing_ok=True)
+        error = _os_error(raised)
+        if error is None:
+            raise
         full = error.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
         reason = "no space left on the device" if full else (error.strerror or str(error))
         raise StorageError(
@@ -256,6 +259,14 @@ def write(checkpoint: dict, path: Path) -> None:
             f"kept; {'free space on that disk' if full else 'fix the folder'}, then continue the run with "
             "resume=<run id>"
         ) from None
+
+
+def _os_error(error: BaseException | None) -> OSError | None:
+    """The OSError itself, or the one behind a RuntimeError: when the disk fills up mid-file, torch's zip writer
+    fails again while closing the archive, and its RuntimeError ("unexpected pos ...") hides the ENOSPC."""
+    while error is not None and not isinstance(error, OSError):
+        error = error.__context__
+    return error
 
 
 def all_finite(tensor: torch.Tensor) -> bool:

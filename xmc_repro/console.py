@@ -121,6 +121,9 @@ class EpochLine(pl.Callback):
     def __init__(self):
         self._start = None
 
+    def on_train_start(self, trainer, pl_module):
+        self._start = time.perf_counter()  # a run resumed mid-epoch gets no on_train_epoch_start for that epoch
+
     def on_train_epoch_start(self, trainer, pl_module):
         self._start = time.perf_counter()
 

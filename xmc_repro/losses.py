@@ -207,6 +207,13 @@ class TrainingLossLog:
             self._points += batch_size
         return None
 
+    def state_dict(self) -> dict:
+        """The epoch's sum so far (call `flush` first), for a checkpoint: a run resumed mid-epoch goes on with it."""
+        return {"sum": self._sum, "points": self._points}
+
+    def load_state_dict(self, state: dict) -> None:
+        self._sum, self._points = float(state["sum"]), int(state["points"])
+
     @property
     def epoch_mean(self) -> float | None:
         """Mean loss of the epoch's read steps, weighted by batch size (None before any)."""

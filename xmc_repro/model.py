@@ -204,6 +204,14 @@ class XMCClassifier(pl.LightningModule):
     def on_train_epoch_start(self):
         self._stop_if_non_finite(self._losses.new_epoch())
 
+    def on_save_checkpoint(self, checkpoint):
+        self._stop_if_non_finite(self._losses.flush())  # a bad loss keeps the previous checkpoint as the last good one
+        checkpoint["epoch_loss"] = self._losses.state_dict()
+
+    def on_load_checkpoint(self, checkpoint):
+        if "epoch_loss" in checkpoint:  # checkpoints from before it: the resumed epoch's mean counts its rest only
+            self._losses.load_state_dict(checkpoint["epoch_loss"])
+
     def on_train_epoch_end(self):
         mean = self.epoch_loss()
         if mean is not None:

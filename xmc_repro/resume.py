@@ -47,6 +47,10 @@ def resume_checkpoint(value, tracking_uri: str | None = None) -> Path:
     by_run = run_dir / checkpoints.LAST
     if by_run.is_file():
         return by_run
+    others = sorted(path.name for path in run_dir.glob("*.ckpt")) if run_dir.is_dir() else []
+    if others:  # its last.ckpt is gone (deleted by hand): another checkpoint of the run can still continue it
+        raise ConfigError(f"resume={value}: {by_run} is missing, the run's folder holds {', '.join(others)}; continue "
+                          f"from that checkpoint's epoch with resume={run_dir / others[0]}")
     if run_dir.is_dir() and tracking_uri is not None:
         raise ConfigError(f"resume={value}: {close_orphan(tracking_uri, str(value), run_dir)}")
     raise ConfigError(

@@ -8,13 +8,17 @@ continues the same run from it with the run's own settings (see `xmc_repro.resum
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
+import signal
+import threading
 from pathlib import Path
 
 import lightning.pytorch as pl
 import torch
 from hydra.utils import instantiate
+from lightning.pytorch.utilities.exceptions import SIGTERMException
 from omegaconf import DictConfig, OmegaConf
 
 from xmc_repro import checkpoints
@@ -199,6 +203,26 @@ def limit_cublas_workspace(mib: float | None) -> None:
         _written_workspace = os.environ[_WORKSPACE] = f":{max(1, round(mib * 1024))}:1"  # :KiB:count
 
 
+@contextlib.contextmanager
+def sigterm_ends_the_run(progress: dict):
+    """A SIGTERM raises SIGTERMException wherever the run is, so the run ends FAILED with one line instead of the
+    process dying with the run left RUNNING (Lightning's own handler covers `trainer.fit` only). Inside fit, Lightning
+    calls this handler after its own, which has flagged the signal: its loops then stop where they can."""
+    def on_sigterm(signum, frame):
+        connector = getattr(progress.get("trainer"), "_signal_connector", None)
+        if not getattr(connector, "received_sigterm", False):
+            raise SIGTERMException()
+
+    if threading.current_thread() is not threading.main_thread():  # only the main thread may set handlers
+        yield
+        return
+    previous = signal.signal(signal.SIGTERM, on_sigterm)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
 def run(cfg: DictConfig) -> dict:
     """Train and test one configuration (or continue one, `resume=`); returns the final metrics and run id."""
     cfg, resume_from, run_id = prepare(cfg, explicit_settings(), multirun=bool(sweep_tags()))
@@ -206,6 +230,15 @@ def run(cfg: DictConfig) -> dict:
     limit_cublas_workspace(cfg.trainer.get("cublas_workspace_mib"))  # before the first matmul on a GPU
     if launch_rank() != 0:  # a further DDP rank: trains in step with rank 0, which alone records the run
         return _fit_and_test(cfg, None, CHECKPOINT_ROOT / "other-rank", resume_from, {})
+    progress: dict = {}  # the trainer, once there is one: for the step a failure happened at
+    with sigterm_ends_the_run(progress):
+        results = _run_and_record(cfg, resume_from, run_id, progress)
+    results["config"] = cfg  # what ran: a resumed run's own settings, which the summary describes
+    return results
+
+
+def _run_and_record(cfg: DictConfig, resume_from: Path | None, run_id: str | None, progress: dict) -> dict:
+    """Rank 0: open (or reopen) the MLflow run, train and test; the run always ends FINISHED or FAILED."""
     # One writer per run: a resumed run's lock is taken before its MLflow run is touched.
     lock = checkpoints.hold_run(resume_from.parent, run_id) if resume_from else None
     try:
@@ -215,7 +248,6 @@ def run(cfg: DictConfig) -> dict:
             lock.release()
         raise
     checkpoint_dir = resume_from.parent if resume_from else CHECKPOINT_ROOT / tracker.run_id
-    progress: dict = {}  # the trainer, once there is one: for the step a failure happened at
     try:
         if lock is None:  # a new run: the lock also marks its folder, for resume to tell a dead run from a live one
             lock = checkpoints.hold_run(checkpoint_dir, tracker.run_id)
