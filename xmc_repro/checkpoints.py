@@ -45,6 +45,7 @@ except ImportError:  # not POSIX: no lock
     fcntl = None
 
 LAST = "last.ckpt"
+_UNREADABLE_FIX = "give a run id or a .ckpt file written by python -m xmc_repro"
 STATE_KEY = "xmc_repro"  # our section of a checkpoint
 LOCK = "writer.lock"
 # Everything a checkpoint's pickle may name: containers and tensors (RNG states are stored as tensors and plain
@@ -115,7 +116,8 @@ def load(path: str | Path, setting: str = "resume") -> dict:
     try:
         unknown = sorted(pickled_globals(path) - ALLOWED_GLOBALS)
     except Exception as error:  # unreadable, truncated, not a torch zip file
-        raise ConfigError(f"{setting}={path}: not a readable checkpoint ({type(error).__name__}: {error}); {_ANOTHER}") from None
+        reason = f"{type(error).__name__}: {error}"
+        raise ConfigError(f"{setting}={path}: not a readable checkpoint ({reason}); {_UNREADABLE_FIX}") from None
     if unknown:
         raise ConfigError(
             f"{setting}={path}: refused, the checkpoint would import {', '.join(unknown[:3])} (a checkpoint holds only "
@@ -124,14 +126,11 @@ def load(path: str | Path, setting: str = "resume") -> dict:
     try:
         checkpoint = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
     except Exception as error:
-        reason = " ".join(str(error).split())[:200]
-        raise ConfigError(f"{setting}={path}: not a readable checkpoint ({type(error).__name__}: {reason}); {_ANOTHER}") from None
+        reason = f"{type(error).__name__}: {' '.join(str(error).split())[:200]}"
+        raise ConfigError(f"{setting}={path}: not a readable checkpoint ({reason}); {_UNREADABLE_FIX}") from None
     if not isinstance(checkpoint, dict) or not isinstance(checkpoint.get("state_dict"), dict):
         raise ConfigError(f"{setting}={path}: not a Lightning checkpoint (no state_dict in it)")
     return checkpoint
-
-
-_ANOTHER = "give a run id or a .ckpt file written by python -m xmc_repro"
 
 
 def read(path: str | Path) -> dict:

@@ -202,7 +202,8 @@ def _devices(cfg: DictConfig) -> None:
     if ids is not None:
         ok = bool(ids) and all(_is_int(i) and int(i) >= 0 and not isinstance(i, bool) for i in ids)
     else:
-        ok = value == "auto" or (not isinstance(value, bool) and _is_int(value) and (int(value) >= 1 or int(value) == -1))
+        count = not isinstance(value, bool) and _is_int(value) and (int(value) >= 1 or int(value) == -1)
+        ok = value == "auto" or count
     if not ok:
         raise ConfigError(f"trainer.devices={value!r} must be a number of devices (-1 or auto: all), or device ids "
                           "such as [0,1]")

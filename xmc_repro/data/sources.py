@@ -83,7 +83,8 @@ def load_splits(cfg: dict) -> tuple[Split, Split]:
         return _xc(cfg)
     if kind == "npy":
         return _npy(cfg)
-    raise ConfigError(f"dataset.kind={kind!r} is unknown; use one of {', '.join(DATASET_KINDS)} (or pick a dataset=... preset)")
+    raise ConfigError(f"dataset.kind={kind!r} is unknown; use one of {', '.join(DATASET_KINDS)} (or pick a "
+                      "dataset=... preset)")
 
 
 def _synthetic(cfg) -> tuple[Split, Split]:

@@ -170,7 +170,9 @@ def _backward_of_backward_weight(ctx, gg_w, gg_b):
     ops, gg_w = torch.ops.xmc_sparse, gg_w.contiguous()
     gg_b = None if gg_b is None else gg_b.contiguous()
     d_grad = ops.forward(x, indices, gg_w, gg_b) if ctx.needs_input_grad[0] else None
-    d_x = ops.backward_input(grad_out, indices, gg_w, ctx.in_features).to(ctx.x_dtype) if ctx.needs_input_grad[1] else None
+    d_x = None
+    if ctx.needs_input_grad[1]:
+        d_x = ops.backward_input(grad_out, indices, gg_w, ctx.in_features).to(ctx.x_dtype)
     return d_grad, d_x, None
 
 
