@@ -257,6 +257,21 @@ def test_labels_out_of_order_are_sorted_and_named_in_one_warning(tmp_path):
     assert train.labels.to_lists() == [[1, 3, 5], [0, 2], [4]] and test.labels.to_lists() == [[1, 2], [0, 3, 5]]
 
 
+def test_blank_lines_read_as_points_are_named_in_one_warning(tmp_path):
+    """A stray blank line where the header's count allows a point is read as a point without labels or features."""
+    from xmc_repro.data.sources import load_splits
+
+    (tmp_path / "train.txt").write_text("4 4 6\n1,5 0:1\n\n0,2 1:1\n4 2:1\n")  # line 3 is blank
+    (tmp_path / "test.txt").write_text("2 4 6\n1,2 0:1\n3 1:1\n\n\n")  # trailing blank lines: not points
+    cfg = {"kind": "xc", "data_dir": str(tmp_path), "train_file": "train.txt", "test_file": "test.txt"}
+    with pytest.warns(UserWarning) as caught:
+        train, test = load_splits(cfg)
+    assert [str(w.message) for w in caught] == [f"{tmp_path / 'train.txt'}:3: 1 blank lines read as points without "
+                                                "labels or features; if they are stray, remove them and fix the "
+                                                "header's point count"]
+    assert train.labels.to_lists() == [[1, 5], [], [0, 2], [4]] and test.labels.num_points == 2
+
+
 def test_a_data_warning_prints_as_the_one_line_it_says(monkeypatch):
     import warnings
 

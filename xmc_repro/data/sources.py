@@ -122,6 +122,7 @@ def _xc(cfg) -> tuple[Split, Split]:
     train, test = (read_xc(p) for p in paths)
     for data in (train, test):
         _note_label_order(data.labels, data.path)
+        _note_blank_points(data)
     _check_pair(train.labels, test.labels, train.num_features, test.num_features, *paths)
     if normalize == "tfidf":  # idf from the training split only: nothing is learnt from the test points
         idf = inverse_document_frequency(train.features)
@@ -183,6 +184,17 @@ def _note_label_order(labels: LabelCSR, path) -> None:
 
         rank_zero_warn(f"{path}: {labels.unsorted_rows:,} of {labels.num_points:,} points list their labels out of "
                        "ascending order; the authors' P@k can miss hits on such points, ours does not",
+                       category=DataWarning)
+
+
+def _note_blank_points(data) -> None:
+    """Warn of blank lines read as points: a point without labels or features is a line with nothing on it, and
+    where the header's count allows one, a stray blank line is read as such a point and shifts nothing else."""
+    if data.blank_lines is not None and len(data.blank_lines):
+        from lightning.pytorch.utilities import rank_zero_warn
+
+        rank_zero_warn(f"{data.path}:{data.blank_lines[0]}: {len(data.blank_lines):,} blank lines read as points "
+                       "without labels or features; if they are stray, remove them and fix the header's point count",
                        category=DataWarning)
 
 

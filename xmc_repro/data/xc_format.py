@@ -39,6 +39,7 @@ class XCData:
     labels: LabelCSR
     num_features: int
     path: Path
+    blank_lines: np.ndarray | None = None  # file lines (1-based) of points without labels or features
 
 
 # --------------------------------------------------------------------------------------------- reading
@@ -90,7 +91,8 @@ def read_xc(path: str | Path, labels_only: bool = False) -> XCData:
     rows = _read_rows(path, points, num_labels, num_features, has_labels=True, labels_only=labels_only)
     labels = LabelCSR(rows.label_ptr, rows.label_idx, num_labels).deduplicated()
     features = None if labels_only else rows.feature_matrix(num_features)
-    return XCData(features, labels, num_features, path)
+    blank_lines = None if labels_only else np.flatnonzero(rows.blank) + 2  # a labels-only blank: a point without labels
+    return XCData(features, labels, num_features, path, blank_lines)
 
 
 def _read_matrix_rows(path: Path) -> tuple[_Rows, int]:
