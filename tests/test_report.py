@@ -549,6 +549,20 @@ def test_the_committed_results_regenerate_byte_for_byte_from_the_committed_recor
     assert {r["precision"] for r in h200 if r["table"] == "gpu_check" and r["dataset"] == "Bibtex"} == {"", "bf16-mixed"}
 
 
+def test_dvc_lock_is_in_step_with_the_code_and_records():
+    """A change to a stage's code or inputs without `dvc repro` leaves dvc.lock stale: a fresh clone's `dvc repro`
+    would then rerun stages (and rewrite dvc.lock) although the committed results are current."""
+    import shutil
+    import subprocess
+
+    root = records.PROJECT_ROOT
+    if not (root / ".dvc").is_dir() or shutil.which("dvc") is None:
+        pytest.skip("not a DVC checkout")
+    result = subprocess.run(["dvc", "status", "--json"], cwd=root, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.strip() == "{}", f"run `dvc repro` and commit dvc.lock: {result.stdout.strip()[:500]}"
+
+
 def test_a_failing_stage_exits_non_zero_with_one_error_line(tmp_path, capsys):
     from xmc_repro.report.__main__ import main
 
