@@ -47,6 +47,23 @@ def test_model_step_benchmark_refuses_an_unknown_precision(capsys):
     assert "--precision: 16-mixed is not one of 32-true, bf16-mixed" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("args, message", [
+    (["--methods", "uniform,bogus"], "--methods: bogus is not one of uniform, reference"),
+    (["--repeats", "0"], "argument --repeats: 0 is not > 0"),
+    (["--max-cases", "-3"], "argument --max-cases: -3 is not > 0"),
+    (["--warmup", "-2"], "--warmup -2: give 0 or more untimed runs"),
+    (["--model", "--scale", "0"], "argument --scale: 0 is not > 0"),
+    (["--device", "foo"], "--device foo: choose cpu or cuda"),
+])
+def test_bad_arguments_are_refused_before_anything_is_written(args, message, tmp_path, capsys):
+    """A typo in --methods wrote result files without results over the committed ones; 0 or negative sizes failed
+    deep inside, or silently meant the default."""
+    with pytest.raises(SystemExit) as info:
+        bench.main([*args, "--out", str(tmp_path / "out")])
+    assert info.value.code == 2 and message in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+
+
 def test_layer_baselines_agree_with_the_reference():
     case = bench.Case(300, 64, 5, 7, "bce", bench.ALL)
     p = bench.make_problem(case, torch.device("cpu"))

@@ -576,6 +576,22 @@ def test_a_failing_stage_exits_non_zero_with_one_error_line(tmp_path, capsys):
     assert "abc.json: not valid JSON" in errors[0] and "report grid" in errors[1] and "report export" in errors[2]
 
 
+def test_a_missing_records_folder_or_an_unreadable_store_is_one_line(tmp_path, capsys):
+    """A typo in --records wrote an empty runs.csv over the committed one; a folder, file:// or an unknown scheme
+    given to `records add` ended in MLflow's tracebacks."""
+    from xmc_repro.report.__main__ import main
+
+    assert main(["export", "--records", str(tmp_path / "typo"), "--out", str(tmp_path / "runs.csv")]) == 2
+    assert not (tmp_path / "runs.csv").exists()
+    (tmp_path / "folder").mkdir()
+    for store in (str(tmp_path / "folder"), "bogus://x"):
+        assert main(["records", "add", store, "--dir", str(tmp_path / "records")]) == 2
+    errors = capsys.readouterr().err.strip().splitlines()
+    assert len(errors) == 3 and errors[0] == f"error: {tmp_path / 'typo'}: no such folder of run records; give " \
+        "--records results/records"
+    assert all(line.startswith("error: ") and "cannot read runs from this MLflow store" in line for line in errors[1:])
+
+
 def test_smoke_skips_datasets_without_data_once_and_fails_when_a_job_failed(tmp_path, monkeypatch, capsys):
     import subprocess
 

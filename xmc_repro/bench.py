@@ -458,6 +458,17 @@ def rows_choice(rows: list[dict], op: str = "uniform", candidates: str = ROWS) -
     return "rows" if len(faster) == len(sparse_op.ROWS_PHASES) else "rows:" + ",".join(faster)
 
 
+def _positive(kind):
+    """argparse type: a number > 0 (0 would time nothing, or silently mean the default)."""
+    def parse(text: str):
+        value = kind(text)
+        if not value > 0:
+            raise argparse.ArgumentTypeError(f"{text} is not > 0")
+        return value
+    parse.__name__ = kind.__name__  # argparse names the type in its message
+    return parse
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m xmc_repro.bench", description=__doc__.split("\n")[0])
     ap.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
@@ -465,22 +476,35 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default="results/bench", help="folder for the JSON and markdown results")
     ap.add_argument("--methods", default=None,
                     help=f"comma list from {','.join(ALL)}, on a GPU also {','.join(ON_REQUEST)} (default: per case)")
-    ap.add_argument("--max-cases", type=int, default=None, help="run only the first N cases")
-    ap.add_argument("--budget-s", type=float, default=None, help="start no new case after this many seconds")
+    ap.add_argument("--max-cases", type=_positive(int), default=None, help="run only the first N cases")
+    ap.add_argument("--budget-s", type=_positive(float), default=None, help="start no new case after this many seconds")
     ap.add_argument("--warmup", type=int, default=None, help="default 3 on a GPU, 1 on CPU")
-    ap.add_argument("--repeats", type=int, default=None, help="default 10 on a GPU, 5 on CPU")
+    ap.add_argument("--repeats", type=_positive(int), default=None, help="default 10 on a GPU, 5 on CPU")
     ap.add_argument("--model", action="store_true", help="time the whole model's training step, dense and uniform")
-    ap.add_argument("--scale", type=float, default=None,
+    ap.add_argument("--scale", type=_positive(float), default=None,
                     help="--model: shrink labels and intermediate layer by this factor (default 1 on a GPU, 0.02 on CPU)")
-    ap.add_argument("--steps", type=int, default=None, help="--model: timed steps (default 50 on a GPU, 5 on CPU)")
+    ap.add_argument("--steps", type=_positive(int), default=None, help="--model: timed steps (default 50 on a GPU, 5 on CPU)")
     ap.add_argument("--profile", type=int, default=0, metavar="STEPS",
                     help="--model: also profile the uniform model's steps (torch.profiler) over STEPS steps")
     ap.add_argument("--precision", default=None,
                     help="--model: comma list of 32-true, bf16-mixed (default both on a GPU, 32-true on CPU)")
     args = ap.parse_args(argv)
+    if args.warmup is not None and args.warmup < 0:
+        ap.error(f"--warmup {args.warmup}: give 0 or more untimed runs")
+    if args.device not in (None, "cpu", "cuda"):
+        ap.error(f"--device {args.device}: choose cpu or cuda")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        ap.error("--device cuda: no CUDA device is visible here (or this torch has no CUDA); use --device cpu")
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    sparse_op.ensure_registered()
     on_gpu = device.type == "cuda"
+    if args.methods and not args.model:
+        methods = args.methods.split(",")
+        known = ALL + (ON_REQUEST if on_gpu else ())
+        unknown = [m for m in methods if m not in known]
+        if unknown:  # a typo would write result files without results over the committed ones
+            ap.error(f"--methods: {', '.join(unknown)} is not one of {', '.join(known)}"
+                     + ("" if on_gpu else f" ({', '.join(ON_REQUEST)}: on a GPU only)"))
+    sparse_op.ensure_registered()
     if args.model:
         from xmc_repro import bench_model
 

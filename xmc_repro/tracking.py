@@ -125,9 +125,9 @@ def store_lock(tracking_uri: str):
             fcntl.flock(handle, fcntl.LOCK_UN)
 
 
-def check_server(tracking_uri: str) -> None:
-    """For an http(s) store: bound MLflow's retries (unless set in the environment) and fail fast, in one line,
-    when the server does not answer."""
+def check_server(tracking_uri: str, setting: str = "logger.tracking_uri=") -> None:
+    """For an http(s) store: bound MLflow's retries (unless set in the environment) and fail fast, in one line
+    starting with `setting` and the address, when the server does not answer."""
     if not tracking_uri.startswith(("http://", "https://")):
         return
     for name, value in HTTP_LIMITS.items():
@@ -142,7 +142,7 @@ def check_server(tracking_uri: str) -> None:
     except (OSError, ValueError) as error:
         reason = getattr(error, "reason", None) or error
         raise ConfigError(
-            f"logger.tracking_uri={tracking_uri}: the tracking server does not answer ({reason}); start it "
+            f"{setting}{tracking_uri}: the tracking server does not answer ({reason}); start it "
             "(mlflow server --host 0.0.0.0 --port 5000 ...), fix the address, or use sqlite:///mlruns.db"
         ) from None
 

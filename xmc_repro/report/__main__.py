@@ -75,8 +75,11 @@ def run(args) -> None:
         print(f"{args.dir}: {counts['new']} new, {counts['updated']} updated, {counts['unchanged']} unchanged "
               f"records from {tracking_uri(args.tracking_uri)}")  # fmt: skip
     elif args.command == "export":
+        from xmc_repro.errors import DataError
         from xmc_repro.report.export import export
 
+        if not args.records.is_dir():  # a typo would write an empty runs.csv over the committed one
+            raise DataError(f"{args.records}: no such folder of run records; give --records results/records")
         rows = export(args.out, args.records)
         print(f"{args.out}: {len(rows)} configurations from {args.records}")
     elif args.command == "grid":

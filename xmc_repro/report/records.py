@@ -113,14 +113,23 @@ def add_from_store(uri: str | None = None, directory: Path = RECORDS_DIR) -> dic
     """Copy the FINISHED table runs of the store at `uri` into records; counts of new, updated, unchanged."""
     uri = tracking_uri(uri)
     _check_store(uri)
+    try:
+        runs = finished_runs(uri)
+    except Exception as error:  # a folder, file://, an unknown scheme: MLflow's long tracebacks
+        reason = " ".join(f"{type(error).__name__}: {error}".split())[:200]
+        raise DataError(f"{uri}: cannot read runs from this MLflow store ({reason}); pass the store that holds them, "
+                        "e.g. sqlite:///mlruns.db or http://host:5000") from None
     counts = {"new": 0, "updated": 0, "unchanged": 0}
-    for run in finished_runs(uri):
+    for run in runs:
         counts[save(record_of_run(run), directory)] += 1
     return counts
 
 
 def _check_store(uri: str) -> None:
     """A sqlite store that does not exist would be created empty by MLflow: refuse it instead."""
+    from xmc_repro.tracking import check_server
+
+    check_server(uri, setting="")  # a server that does not answer: one line within seconds, not minutes of retries
     prefix = "sqlite:///"
     if uri.startswith(prefix) and not Path(uri[len(prefix) :]).is_file():
         raise DataError(f"{uri}: no such MLflow store; pass the store that holds the runs, e.g. sqlite:///gpu.db")
