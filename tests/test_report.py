@@ -592,6 +592,16 @@ def test_a_missing_records_folder_or_an_unreadable_store_is_one_line(tmp_path, c
     assert all(line.startswith("error: ") and "cannot read runs from this MLflow store" in line for line in errors[1:])
 
 
+def test_smoke_refuses_a_store_its_jobs_cannot_write_before_any_job_starts(tmp_path):
+    from xmc_repro.errors import ConfigError
+    from xmc_repro.report import smoke
+
+    started = []
+    with pytest.raises(ConfigError, match=r"^--tracking-uri bogus://x: not an MLflow tracking store"):
+        smoke.run_smoke(("table4",), "bogus://x", tmp_path / "missing.json", run=lambda *a, **k: started.append(a))
+    assert started == []
+
+
 def test_smoke_skips_datasets_without_data_once_and_fails_when_a_job_failed(tmp_path, monkeypatch, capsys):
     import subprocess
 

@@ -75,9 +75,25 @@ def sweep_command(table: str, datasets: list[str], scale: str = "smoke") -> list
     return [sys.executable, "-m", "xmc_repro", "-m", *preset]
 
 
+STORE_SCHEMES = ("sqlite", "http", "https", "postgresql", "mysql", "mssql", "databricks")  # MLflow's tracking stores
+
+
+def check_store(uri: str) -> None:
+    """A store the sweep's jobs can write to, or one line saying what to give instead."""
+    from xmc_repro.errors import ConfigError
+    from xmc_repro.tracking import check_server
+
+    scheme = uri.split("://", 1)[0].split("+", 1)[0] if "://" in uri else ""
+    if scheme not in STORE_SCHEMES:
+        raise ConfigError(f"--tracking-uri {uri}: not an MLflow tracking store this can write runs to; give "
+                          "sqlite:///mlruns.db or an http://host:port tracking server")
+    check_server(uri, setting="--tracking-uri ")
+
+
 def run_smoke(tables=TABLES, uri: str | None = None, data_missing: Path = DATA_MISSING, run=subprocess.run) -> None:
     """Run the smoke sweeps of `tables`; raises SweepFailed naming the tables whose sweep had failed jobs."""
     uri = absolute(tracking_uri(uri))
+    check_store(uri)  # before any job starts: a bad store would fail every job with the same long error
     failed, missing_now, found = [], {}, set()
     for table in tables:
         choices = dataset_choices(table)
