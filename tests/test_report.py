@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import csv
 import json
+import re
 import math
 import shutil
 import uuid
@@ -574,6 +575,20 @@ def test_a_failing_stage_exits_non_zero_with_one_error_line(tmp_path, capsys):
     errors = capsys.readouterr().err.strip().splitlines()
     assert len(errors) == 3 and all(line.startswith("error: ") for line in errors)
     assert "abc.json: not valid JSON" in errors[0] and "report grid" in errors[1] and "report export" in errors[2]
+
+
+@pytest.mark.parametrize("edit, message", [
+    (lambda r: r.update(tags=[]), '"tags" must be an object of names and values'),
+    (lambda r: r.update(metrics=None), '"metrics" must be an object of names and values'),
+    (lambda r: r["metrics"].update({"test/p_at_1": "abc"}), "metric test/p_at_1 is 'abc', not a number"),
+])
+def test_a_record_with_malformed_fields_is_named_in_one_line(tmp_path, edit, message):
+    record = {"run_id": "r1", "status": "FINISHED", "params": {}, "metrics": {"test/p_at_1": 1.0}, "tags": {}}
+    edit(record)
+    path = tmp_path / "r1.json"
+    path.write_text(json.dumps(record))
+    with pytest.raises(records.DataError, match=rf"^{re.escape(f'{path}: {message}; restore it')}"):
+        records.load(tmp_path)
 
 
 def test_a_missing_records_folder_or_an_unreadable_store_is_one_line(tmp_path, capsys):

@@ -68,16 +68,31 @@ def load(directory: Path = RECORDS_DIR) -> list[dict]:
     records = []
     for path in sorted(directory.glob("*.json")):
         try:
-            record = json.loads(path.read_text())
-        except json.JSONDecodeError as error:
+            record = json.loads(path.read_text(encoding="utf-8"))
+        except (json.JSONDecodeError, UnicodeDecodeError) as error:
             raise DataError(f"{path}: not valid JSON ({error}); restore it with `git checkout -- {path}`") from None
         missing = [key for key in REQUIRED if key not in record] if isinstance(record, dict) else list(REQUIRED)
         if missing:
             raise DataError(f"{path}: not a run record (no {', '.join(missing)}); move it out of {directory}")
+        problem = _malformed(record)
+        if problem:
+            raise DataError(f"{path}: {problem}; restore it with `git checkout -- {path}`")
         if path.stem != record["run_id"]:
             raise DataError(f"{path}: holds run {record['run_id']}; rename it to {record['run_id']}.json")
         records.append(record)
     return records
+
+
+def _malformed(record: dict) -> str | None:
+    """What is wrong with a record's fields, as `record_of_run` writes them; None when nothing is."""
+    for key in ("params", "metrics", "tags"):
+        if not isinstance(record.get(key, {}), dict):
+            return f'"{key}" must be an object of names and values'
+    bad = [name for name, value in record.get("metrics", {}).items()
+           if isinstance(value, bool) or not isinstance(value, (int, float))]
+    if bad:
+        return f"metric {bad[0]} is {record['metrics'][bad[0]]!r}, not a number"
+    return None
 
 
 def tracking_uri(uri: str | None = None) -> str:
