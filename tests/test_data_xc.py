@@ -266,9 +266,9 @@ def test_blank_lines_read_as_points_are_named_in_one_warning(tmp_path):
     cfg = {"kind": "xc", "data_dir": str(tmp_path), "train_file": "train.txt", "test_file": "test.txt"}
     with pytest.warns(UserWarning) as caught:
         train, test = load_splits(cfg)
-    assert [str(w.message) for w in caught] == [f"{tmp_path / 'train.txt'}:3: 1 blank lines read as points without "
-                                                "labels or features; if they are stray, remove them and fix the "
-                                                "header's point count"]
+    assert [str(w.message) for w in caught] == [f"{tmp_path / 'train.txt'}:3: 1 blank line read as point without "
+                                                "labels or features; if stray, remove them and fix the header's point "
+                                                "count"]
     assert train.labels.to_lists() == [[1, 5], [], [0, 2], [4]] and test.labels.num_points == 2
 
 

@@ -190,11 +190,13 @@ def _note_label_order(labels: LabelCSR, path) -> None:
 def _note_blank_points(data) -> None:
     """Warn of blank lines read as points: a point without labels or features is a line with nothing on it, and
     where the header's count allows one, a stray blank line is read as such a point and shifts nothing else."""
-    if data.blank_lines is not None and len(data.blank_lines):
+    count = 0 if data.blank_lines is None else len(data.blank_lines)
+    if count:
         from lightning.pytorch.utilities import rank_zero_warn
 
-        rank_zero_warn(f"{data.path}:{data.blank_lines[0]}: {len(data.blank_lines):,} blank lines read as points "
-                       "without labels or features; if they are stray, remove them and fix the header's point count",
+        plural = "s" if count > 1 else ""
+        rank_zero_warn(f"{data.path}:{data.blank_lines[0]}: {count:,} blank line{plural} read as point{plural} without "
+                       "labels or features; if stray, remove them and fix the header's point count",
                        category=DataWarning)
 
 

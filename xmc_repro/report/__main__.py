@@ -17,11 +17,12 @@ RESULTS = Path("results")
 
 
 def parser() -> argparse.ArgumentParser:
+    from xmc_repro.report.grid import TABLES
+
     main = argparse.ArgumentParser(prog="python -m xmc_repro.report", description=__doc__)
     commands = main.add_subparsers(dest="command", required=True)
     smoke = commands.add_parser("smoke", help="train the smoke sweeps (CPU, minutes per table) into an MLflow store")
-    smoke.add_argument("--tables", nargs="+", default=None, choices=("table1", "table2", "table3", "table4", "table5"),
-                       help="e.g. table1 table4 (default: all five)")
+    smoke.add_argument("--tables", nargs="+", default=None, choices=TABLES, help="e.g. table1 table4 (default: all)")
     smoke.add_argument("--tracking-uri", help="MLflow store (default: $MLFLOW_TRACKING_URI or sqlite:///mlruns.db)")
     smoke.add_argument("--data-missing", type=Path, default=RESULTS / "data_missing.json")
     records = commands.add_parser("records", help="run records (results/records/*.json)")
