@@ -150,3 +150,34 @@ def test_sigterm_outside_fit_ends_the_run_instead_of_the_process():
         os.kill(os.getpid(), signal.SIGTERM)
         time.sleep(0.1)
     assert signal.getsignal(signal.SIGTERM) is before
+
+
+def test_runs_of_sweep_jobs_killed_by_their_launcher_are_closed_by_the_sweep(tmp_path, store):
+    """joblib kills its workers on Ctrl+C before a job can mark its run FAILED; the sweep's own process then closes
+    the runs its jobs listed that no process writes any more, and leaves a run whose job is alive to that job."""
+    from mlflow.tracking import MlflowClient
+
+    from xmc_repro.resume import close_interrupted
+    from xmc_repro.tracking import RunTracker
+
+    copy_store(store, tmp_path)
+    uri = f"sqlite:///{tmp_path / 'mlruns.db'}"
+    killed, killed_early, alive = (RunTracker(uri, "e") for _ in range(3))
+    dirs = {run.run_id: tmp_path / "checkpoints" / run.run_id for run in (killed, killed_early, alive)}
+    for folder in dirs.values():
+        folder.mkdir(parents=True)
+    (dirs[killed.run_id] / checkpoints.LAST).write_bytes(b"a checkpoint")
+    lock = checkpoints.hold_run(dirs[alive.run_id], alive.run_id)
+    listed = tmp_path / "runs.txt"
+    listed.write_text("".join(f"{run_id}\t{uri}\t{folder}\n" for run_id, folder in dirs.items()))
+    try:
+        assert sorted(close_interrupted(listed, "Ctrl+C")) == sorted([killed.run_id, killed_early.run_id])
+    finally:
+        lock.release()
+    client = MlflowClient(uri)
+    status = {run_id: client.get_run(run_id) for run_id in dirs}
+    assert status[killed.run_id].info.status == "FAILED"
+    assert status[killed.run_id].data.tags["error"] == f"interrupted (Ctrl+C); continue it with resume={killed.run_id}"
+    assert status[killed_early.run_id].data.tags["error"] == "interrupted (Ctrl+C); no checkpoint yet"
+    assert status[alive.run_id].info.status == "RUNNING"  # its job closes it
+    alive.finish("FAILED", "closed by its job")

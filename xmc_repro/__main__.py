@@ -205,14 +205,25 @@ def main() -> None:
     if os.environ.get(FAILURES_ENV):  # started by a sweep's own process (a launcher's job): that one reports
         _task()
         return
+    from xmc_repro.resume import STARTED_RUNS_ENV, close_interrupted
+
     failures = Path.cwd() / "multirun" / f".failures-{os.getpid()}.txt"
+    started = failures.with_name(f".runs-{os.getpid()}.txt")
     os.environ[FAILURES_ENV] = str(failures)  # jobs in other processes inherit it
+    os.environ[STARTED_RUNS_ENV] = str(started)
     try:
         _task()
+    except KeyboardInterrupt:  # reached here only from a launcher's workers (joblib): close the runs they left open
+        closed = close_interrupted(started, "Ctrl+C")
+        closing = (f"; the runs of killed jobs are marked FAILED ({', '.join(closed)}): continue each with "
+                   "resume=<its id>") if closed else ""
+        print(f"error: interrupted (Ctrl+C){closing}", file=sys.stderr)
+        sys.exit(130)
     finally:
         lines = failures.read_text(encoding="utf-8").splitlines() if failures.is_file() else []
         failures.unlink(missing_ok=True)
-        del os.environ[FAILURES_ENV]
+        started.unlink(missing_ok=True)
+        del os.environ[FAILURES_ENV], os.environ[STARTED_RUNS_ENV]
     if lines:
         print(
             f"error: sweep finished; {len(lines)} job(s) failed, the others ran: {'; '.join(lines)}", file=sys.stderr

@@ -8,6 +8,7 @@ A run killed before its first checkpoint has nothing to continue: `resume=<its i
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
@@ -89,6 +90,44 @@ def close_orphan(tracking_uri: str, run_id: str, run_dir: Path) -> str:
     why = run.data.tags.get("error")
     return (f"run {run_id} ended {status} before its first checkpoint{f' ({why})' if why else ''}; nothing to "
             "resume: start it again without resume=")
+
+
+STARTED_RUNS_ENV = "XMC_STARTED_RUNS"  # a file the command line's jobs list their runs in (`note_started`)
+
+
+def note_started(run_id: str, tracking_uri: str, run_dir: Path) -> None:
+    """List a run this job opened, for the process that launched the sweep (`close_interrupted`)."""
+    path = os.environ.get(STARTED_RUNS_ENV)
+    if path:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        with open(path, "a", encoding="utf-8") as handle:
+            handle.write(f"{run_id}\t{tracking_uri}\t{run_dir.resolve()}\n")
+
+
+def close_interrupted(path: Path, why: str) -> list[str]:
+    """After a sweep was interrupted: mark FAILED the listed runs that are still RUNNING with no process writing them.
+    A launcher such as joblib kills its workers on Ctrl+C, before a job can close its own run. Returns their ids."""
+    from mlflow.tracking import MlflowClient
+
+    from xmc_repro.tracking import with_retries
+
+    closed = []
+    lines = path.read_text(encoding="utf-8").splitlines() if path.is_file() else []
+    for run_id, uri, run_dir in (line.split("\t") for line in lines if line.count("\t") == 2):
+        if checkpoints.RunLock(Path(run_dir)).is_held():
+            continue  # its job is alive: it closes the run itself
+        try:
+            client = MlflowClient(uri)
+            if with_retries(client.get_run, run_id).info.status != "RUNNING":
+                continue
+            kept = (Path(run_dir) / checkpoints.LAST).is_file()
+            message = f"interrupted ({why}); " + (f"continue it with resume={run_id}" if kept else "no checkpoint yet")
+            with_retries(client.set_tag, run_id, "error", message)
+            with_retries(client.set_terminated, run_id, "FAILED")
+        except Exception:  # the store is gone or locked: `resume=<id>` closes the run later
+            continue
+        closed.append(run_id)
+    return closed
 
 
 def resume_config(cfg: DictConfig, stored: DictConfig, explicit: list[str]) -> DictConfig:

@@ -30,7 +30,7 @@ from xmc_repro.distributed import launch_problem, launch_rank
 from xmc_repro.errors import ConfigError, StorageError, UserError
 from xmc_repro.metrics import inverse_propensity
 from xmc_repro.model import NonFiniteLossError, XMCClassifier, instantiate_with
-from xmc_repro.resume import CHECKPOINT_ROOT, prepare
+from xmc_repro.resume import CHECKPOINT_ROOT, note_started, prepare
 from xmc_repro.tracking import RunTracker, device_name, git_commit
 from xmc_repro.validation import BEFORE_THE_SETTING
 from xmc_repro.validation import validate as validate_values
@@ -251,6 +251,8 @@ def _run_and_record(cfg: DictConfig, resume_from: Path | None, run_id: str | Non
     try:
         if lock is None:  # a new run: the lock also marks its folder, for resume to tell a dead run from a live one
             lock = checkpoints.hold_run(checkpoint_dir, tracker.run_id)
+        if sweep_tags():  # a sweep's job: its launcher may kill it before it can close its run (Ctrl+C, joblib)
+            note_started(tracker.run_id, tracker.tracking_uri, checkpoint_dir)
         tracker.log_config(
             cfg,
             {"table": cfg.table, "scale": cfg.scale, "git_commit": git_commit(), "dataset": cfg.dataset.name,
