@@ -213,8 +213,10 @@ def main() -> None:
     os.environ[STARTED_RUNS_ENV] = str(started)
     try:
         _task()
-    except KeyboardInterrupt:  # reached here only from a launcher's workers (joblib): close the runs they left open
-        closed = close_interrupted(started, "Ctrl+C")
+    except KeyboardInterrupt:  # outside a run (a run reports its own), e.g. in a launcher's (joblib's) wait
+        if full_errors():
+            raise
+        closed = close_interrupted(started, "Ctrl+C")  # the runs of jobs the launcher killed
         closing = (f"; the runs of killed jobs are marked FAILED ({', '.join(closed)}): continue each with "
                    "resume=<its id>") if closed else ""
         print(f"error: interrupted (Ctrl+C){closing}", file=sys.stderr)
