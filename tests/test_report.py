@@ -591,10 +591,17 @@ def test_a_record_with_malformed_fields_is_named_in_one_line(tmp_path, edit, mes
         records.load(tmp_path)
 
 
-def test_a_missing_records_folder_or_an_unreadable_store_is_one_line(tmp_path, capsys):
+def test_a_missing_records_folder_or_an_unreadable_store_is_one_line(tmp_path, capsys, monkeypatch):
     """A typo in --records wrote an empty runs.csv over the committed one; a folder, file:// or an unknown scheme
-    given to `records add` ended in MLflow's tracebacks."""
+    given to `records add` ended in MLflow's tracebacks; `records add` run outside the project started a records
+    folder there."""
     from xmc_repro.report.__main__ import main
+
+    monkeypatch.chdir(tmp_path)
+    assert main(["records", "add", "sqlite:///elsewhere.db"]) == 2
+    assert capsys.readouterr().err.startswith(f"error: {tmp_path / 'results' / 'records'}: no records folder here; run "
+                                              "from the project's root or give --dir")
+    assert not (tmp_path / "results").exists()
 
     assert main(["export", "--records", str(tmp_path / "typo"), "--out", str(tmp_path / "runs.csv")]) == 2
     assert not (tmp_path / "runs.csv").exists()
