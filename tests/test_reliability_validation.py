@@ -204,6 +204,16 @@ def test_validation_imports_nothing_heavy():
     assert out.returncode == 0 and out.stdout.strip() == "[]", out.stdout + out.stderr
 
 
+def test_a_bad_value_on_the_command_line_is_refused_before_torch_loads(tmp_path):
+    """What the command line imports before `validate` must stay light: a bad value is reported in about a second."""
+    code = ("import runpy, sys; sys.argv = ['xmc_repro', 'seed=-1']\n"
+            "try:\n    runpy.run_module('xmc_repro', run_name='__main__')\nexcept SystemExit as e:\n    code = e.code\n"
+            "print(code, sorted(m for m in ('torch', 'lightning', 'mlflow') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], env=cli_env(), capture_output=True, text=True, timeout=60,
+                         cwd=tmp_path)
+    assert out.stdout.strip() == "2 []", out.stdout + out.stderr[-2000:]
+
+
 CLI_CASES = {
     "seed=-1": "error: seed=-1 must be an integer in [0, 4294967295]",
     "trainer.lr=nan": "error: trainer.lr=nan must be a finite number > 0",

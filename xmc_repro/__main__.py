@@ -205,7 +205,7 @@ def main() -> None:
     if os.environ.get(FAILURES_ENV):  # started by a sweep's own process (a launcher's job): that one reports
         _task()
         return
-    from xmc_repro.resume import STARTED_RUNS_ENV, close_interrupted
+    from xmc_repro.cli import STARTED_RUNS_ENV
 
     failures = Path.cwd() / "multirun" / f".failures-{os.getpid()}.txt"
     started = failures.with_name(f".runs-{os.getpid()}.txt")
@@ -216,6 +216,8 @@ def main() -> None:
     except KeyboardInterrupt:  # outside a run (a run reports its own), e.g. in a launcher's (joblib's) wait
         if full_errors():
             raise
+        from xmc_repro.resume import close_interrupted
+
         closed = close_interrupted(started, "Ctrl+C")  # the runs of jobs the launcher killed
         closing = (f"; the runs of killed jobs are marked FAILED ({', '.join(closed)}): continue each with "
                    "resume=<its id>") if closed else ""

@@ -12,6 +12,9 @@ from omegaconf import OmegaConf
 
 from xmc_repro.resources import resource_dir
 
+# A file a sweep's jobs list the runs they open in, for the sweep's process (xmc_repro.resume.close_interrupted).
+STARTED_RUNS_ENV = "XMC_STARTED_RUNS"
+
 # The groups a user picks from (conf/<group>/); nested ones such as experiment/grid are the presets' internals.
 GROUPS = {
     "dataset": "the data: synthetic (generated), the paper's datasets, any XC-format pair (xc)",

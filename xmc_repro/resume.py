@@ -14,6 +14,7 @@ from pathlib import Path
 from omegaconf import DictConfig, OmegaConf
 
 from xmc_repro import checkpoints
+from xmc_repro.cli import STARTED_RUNS_ENV
 from xmc_repro.errors import ConfigError
 
 CHECKPOINT_ROOT = Path("checkpoints")
@@ -90,9 +91,6 @@ def close_orphan(tracking_uri: str, run_id: str, run_dir: Path) -> str:
     why = run.data.tags.get("error")
     return (f"run {run_id} ended {status} before its first checkpoint{f' ({why})' if why else ''}; nothing to "
             "resume: start it again without resume=")
-
-
-STARTED_RUNS_ENV = "XMC_STARTED_RUNS"  # a file the command line's jobs list their runs in (`note_started`)
 
 
 def note_started(run_id: str, tracking_uri: str, run_dir: Path) -> None:
