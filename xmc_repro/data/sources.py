@@ -180,11 +180,8 @@ def _note_label_order(labels: LabelCSR, path) -> None:
     (``tf.sparse.add`` of the labels and the top k, which assumes sorted indices) can miss hits on those points,
     so their P@k on this file, and the epochs their schedule picks by it, may differ from ours."""
     if labels.unsorted_rows:
-        from lightning.pytorch.utilities import rank_zero_warn  # every DDP rank reads the data; one says so
-
-        rank_zero_warn(f"{path}: {labels.unsorted_rows:,} of {labels.num_points:,} points list their labels out of "
-                       "ascending order; the authors' P@k can miss hits on such points, ours does not",
-                       category=DataWarning)
+        _data_warning(f"{path}: {labels.unsorted_rows:,} of {labels.num_points:,} points list their labels out of "
+                      "ascending order; the authors' P@k can miss hits on such points, ours does not")
 
 
 def _note_blank_points(data) -> None:
@@ -192,12 +189,15 @@ def _note_blank_points(data) -> None:
     where the header's count allows one, a stray blank line is read as such a point and shifts nothing else."""
     count = 0 if data.blank_lines is None else len(data.blank_lines)
     if count:
-        from lightning.pytorch.utilities import rank_zero_warn
-
         plural = "s" if count > 1 else ""
-        rank_zero_warn(f"{data.path}:{data.blank_lines[0]}: {count:,} blank line{plural} read as point{plural} without "
-                       "labels or features; if stray, remove them and fix the header's point count",
-                       category=DataWarning)
+        _data_warning(f"{data.path}:{data.blank_lines[0]}: {count:,} blank line{plural} read as point{plural} without "
+                      "labels or features; if stray, remove them and fix the header's point count")
+
+
+def _data_warning(message: str) -> None:
+    from lightning.pytorch.utilities import rank_zero_warn  # every DDP rank reads the data; one says so
+
+    rank_zero_warn(message, category=DataWarning)
 
 
 def _check_pair(train: LabelCSR, test: LabelCSR, train_dim: int, test_dim: int, train_path, test_path) -> None:

@@ -150,9 +150,9 @@ def _setup_backward_input(ctx, inputs, output):
 
 def _backward_of_backward_input(ctx, gg_x):
     grad_out, indices, weight = ctx.saved_tensors
-    ops, gg_x = torch.ops.xmc_sparse, gg_x.contiguous()
-    d_grad = ops.forward(gg_x.to(weight.dtype), indices, weight, None) if ctx.needs_input_grad[0] else None
-    d_weight = ops.backward_weight(grad_out, gg_x.to(grad_out.dtype), indices)[0] if ctx.needs_input_grad[2] else None
+    ops, gg_x = torch.ops.xmc_sparse, gg_x.contiguous()  # in the weights' dtype, as grad_x is
+    d_grad = ops.forward(gg_x, indices, weight, None) if ctx.needs_input_grad[0] else None
+    d_weight = ops.backward_weight(grad_out, gg_x, indices)[0] if ctx.needs_input_grad[2] else None
     return d_grad, None, d_weight, None
 
 
