@@ -12,6 +12,7 @@ import math
 from omegaconf import DictConfig, OmegaConf
 
 from xmc_repro.errors import ConfigError
+from xmc_repro.resources import resource_dir
 
 INT32_LIMIT = 2**31
 SEED_MAX = 2**32 - 1  # numpy's seeds (np.random.seed, seed_everything) lie in [0, 2**32 - 1]
@@ -36,11 +37,6 @@ ACCELERATORS = ("auto", "cpu", "gpu", "cuda", "mps", "tpu")
 STRATEGIES = ("auto", "ddp", "ddp_find_unused_parameters_false", "ddp_find_unused_parameters_true", "single_device")
 DATASET_KINDS = ("synthetic", "xc", "npy")  # dataset.kind: generated, one XC text file per split, the authors' layout
 NORMALIZATIONS = ("tfidf", "l2", "none")  # dataset.normalize of bag-of-words (XC text) features
-# The built-in heads (conf/model/<head>.yaml) and the class each builds: `model.head` names the class, it does not
-# choose it (model=<head> does).
-HEAD_TARGETS = {"uniform": "xmc_repro.sparse.UniformSparseLinear", "dense": "torch.nn.Linear",
-                "unstructured": "xmc_repro.sparse.UnstructuredSparseLinear", "bottleneck": "xmc_repro.model.Bottleneck",
-                "mach": "xmc_repro.mach.MachHead.from_settings"}
 
 
 def authors_unstructured_rewire_fraction(intermediate) -> float:
@@ -221,9 +217,15 @@ def _limit_train_batches(cfg: DictConfig) -> None:
         number(cfg, key, int, low=1, fix="a number of batches, a fraction of each epoch, or null for all")
 
 
+def _head_target(head) -> str | None:
+    """The class conf/model/<head>.yaml builds; None for a head this project does not define."""
+    path = resource_dir("conf") / "model" / f"{head}.yaml"
+    return OmegaConf.load(path).get("_target_") if isinstance(head, str) and path.is_file() else None
+
+
 def _model(cfg: DictConfig) -> None:
     m = cfg.model
-    target = HEAD_TARGETS.get(m.get("head"))
+    target = _head_target(m.get("head"))  # `model.head` names what model=<head> builds; it does not choose it
     if target is not None and m.get("_target_") != target:
         raise ConfigError(f"model.head={m.head} names the class a head config builds, not a choice: this config builds "
                           f"{m.get('_target_')}; pick the head with model={m.head}")
