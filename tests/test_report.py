@@ -215,7 +215,7 @@ def empty_store(tmp_path_factory):
     return path
 
 
-def test_records_add_copies_finished_table_runs_of_a_store_once_and_round_trips(tmp_path, empty_store):
+def test_records_add_copies_finished_table_runs_of_a_store_once_and_round_trips(tmp_path, empty_store, capsys):
     from mlflow.entities import Metric, Param, RunTag
     from mlflow.tracking import MlflowClient
 
@@ -234,8 +234,13 @@ def test_records_add_copies_finished_table_runs_of_a_store_once_and_round_trips(
         client.set_terminated(run_id, status)
         ids[name] = run_id
     directory = tmp_path / "records"
-    assert records.add_from_store(uri, directory) == {"new": 1, "updated": 0, "unchanged": 0}
-    assert records.add_from_store(uri, directory) == {"new": 0, "updated": 0, "unchanged": 1}
+    left_out = {"FAILED": 1, "untagged": 1}
+    assert records.add_from_store(uri, directory) == {"new": 1, "updated": 0, "unchanged": 0, "skipped": left_out}
+    assert records.add_from_store(uri, directory) == {"new": 0, "updated": 0, "unchanged": 1, "skipped": left_out}
+    from xmc_repro.report.__main__ import main as report_main
+
+    assert report_main(["records", "add", uri, "--dir", str(directory)]) == 0
+    assert capsys.readouterr().out.strip().endswith("left out 2 runs: 1 FAILED, 1 without a `table` tag")
     (record,) = records.load(directory)
     run = client.get_run(ids["ok"])
     assert record["run_id"] == ids["ok"] and record["run_name"] == "ok" and record["status"] == "FINISHED"
@@ -570,7 +575,8 @@ def test_a_failing_stage_exits_non_zero_with_one_error_line(tmp_path, capsys):
     (tmp_path / "records").mkdir()
     (tmp_path / "records" / "abc.json").write_text("{")
     assert main(["export", "--records", str(tmp_path / "records"), "--out", str(tmp_path / "runs.csv")]) == 2
-    assert main(["render", "--runs", str(tmp_path / "none.csv"), "--grid", str(tmp_path / "none.csv")]) == 2
+    runs_csv = records.PROJECT_ROOT / "results" / "runs.csv"
+    assert main(["render", "--runs", str(runs_csv), "--grid", str(tmp_path / "none.csv")]) == 2
     assert main(["claims", "--runs", str(tmp_path / "none.csv"), "--out", str(tmp_path / "c.md")]) == 2
     errors = capsys.readouterr().err.strip().splitlines()
     assert len(errors) == 3 and all(line.startswith("error: ") for line in errors)
@@ -665,3 +671,51 @@ def test_stand_ins_are_checked_against_the_real_order_of_models():
     assert "uniform > unstructured" not in text and "unstructured > uniform" not in text  # the real sets disagree
     assert "| **pairs in the real order** | 1/2 |" in text
     assert "Not measurable here" in markdown(real, [])
+
+
+def _damage(text: str, how: str) -> str:
+    lines = text.splitlines(keepends=True)
+    if how == "column":  # the first column dropped from the header only
+        lines[0] = lines[0].split(",", 1)[1]
+    elif how == "row":  # the second line cut short
+        lines[1] = lines[1].rsplit(",", 3)[0] + "\n"
+    elif how == "word":  # a word for the last field of the second line: a number in each file that has one there
+        lines[1] = lines[1].rstrip("\n").rsplit(",", 1)[0] + ",n/a\n"
+    return "".join(lines)
+
+
+@pytest.mark.parametrize(
+    "name, how, message",
+    [
+        ("runs.csv", "column", r"runs\.csv:1: the header lacks the column table; write it again .*report export`"),
+        ("runs.csv", "row", r"runs\.csv:2: \d+ fields where the header has \d+;"),
+        ("runs.csv", "missing", r"runs\.csv: not found; write it again"),
+        ("grid.csv", "column", r"grid\.csv:1: the header lacks the column table; write it again .*report grid`"),
+        ("grid.csv", "row", r"grid\.csv:2: 10 fields where the header has 13;"),
+        ("paper_results.csv", "word", r"paper_results\.csv:2: runs is 'n/a', not a number; .*git checkout -- "),
+        ("data_missing.json", "word", r"data_missing\.json: not valid JSON"),
+        ("data_missing.json", "list", r"data_missing\.json: not an object of dataset names"),
+    ],
+)  # fmt: skip
+def test_a_damaged_report_input_is_one_line_naming_the_file_and_line(tmp_path, capsys, name, how, message):
+    from xmc_repro.report.__main__ import main as report_main
+
+    results = records.PROJECT_ROOT / "results"
+    inputs = {"runs.csv": "--runs", "grid.csv": "--grid", "paper_results.csv": "--paper",
+              "data_missing.json": "--data-missing"}  # fmt: skip
+    for file_name in inputs:
+        shutil.copy(results / file_name, tmp_path / file_name)
+    target = tmp_path / name
+    if how == "missing":
+        target.unlink()
+    elif how == "list":
+        target.write_text("[]\n")
+    elif name.endswith(".json"):
+        target.write_text('{"Bibtex": \n')
+    else:
+        target.write_text(_damage(target.read_text(), how))
+    command = ["render", "--tables", str(tmp_path / "t"), "--figures", str(tmp_path / "f")]
+    command += [argument for file_name, option in inputs.items() for argument in (option, str(tmp_path / file_name))]
+    assert report_main(command) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and re.search(message, err), err

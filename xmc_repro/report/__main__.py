@@ -72,14 +72,14 @@ def run(args) -> None:
         print("smoke: done; copy the runs into results/records with `python -m xmc_repro.report records add`")
     elif args.command == "records":
         from xmc_repro.errors import DataError
-        from xmc_repro.report.records import add_from_store, tracking_uri
+        from xmc_repro.report.records import add_from_store, skipped_line, tracking_uri
 
         if args.dir == RESULTS / "records" and not args.dir.is_dir():  # the default, outside the project's root
             raise DataError(f"{args.dir.resolve()}: no records folder here; run from the project's root or give "
                             "--dir PATH/results/records")
         counts = add_from_store(args.tracking_uri, args.dir)
         print(f"{args.dir}: {counts['new']} new, {counts['updated']} updated, {counts['unchanged']} unchanged "
-              f"records from {tracking_uri(args.tracking_uri)}")  # fmt: skip
+              f"records from {tracking_uri(args.tracking_uri)}{skipped_line(counts['skipped'])}")  # fmt: skip
     elif args.command == "export":
         from xmc_repro.errors import DataError
         from xmc_repro.report.export import export
@@ -96,18 +96,10 @@ def run(args) -> None:
         render_all(args.runs, args.grid, args.paper, args.data_missing, args.tables, args.figures)
     else:
         from xmc_repro.report.claims import write_claims
+        from xmc_repro.report.export import read_runs_csv
 
-        verdicts = write_claims(_runs(args.runs), args.out)
+        verdicts = write_claims(read_runs_csv(args.runs), args.out)
         print(f"{args.out}: " + ", ".join(f"{claim} {verdict}" for claim, verdict in verdicts.items()))
-
-
-def _runs(path: Path) -> list[dict]:
-    from xmc_repro.errors import DataError
-    from xmc_repro.report.export import read_runs_csv
-
-    if not path.exists():
-        raise DataError(f"{path}: not found; write it first with `python -m xmc_repro.report export`")
-    return read_runs_csv(path)
 
 
 def _published(path: Path | None) -> list[dict]:
@@ -118,15 +110,13 @@ def _published(path: Path | None) -> list[dict]:
 
 def render_all(runs_csv: Path, grid_csv: Path, paper_csv: Path | None, data_missing: Path, tables_dir: Path,
                figures_dir: Path) -> None:  # fmt: skip
-    from xmc_repro.errors import DataError
+    from xmc_repro.report.export import read_runs_csv
     from xmc_repro.report.figures import render_figures
     from xmc_repro.report.grid import read_grid
     from xmc_repro.report.render import render_tables
     from xmc_repro.report.smoke import read_data_missing
 
-    if not grid_csv.exists():
-        raise DataError(f"{grid_csv}: not found; write it first with `python -m xmc_repro.report grid`")
-    runs, published = _runs(runs_csv), _published(paper_csv)
+    runs, published = read_runs_csv(runs_csv), _published(paper_csv)
     rendered = render_tables(runs, published, tables_dir, read_grid(grid_csv), read_data_missing(data_missing))
     for table, rows in rendered.items():
         measured = sum(r["status"] == "measured" for r in rows)

@@ -14,6 +14,7 @@ import statistics
 from pathlib import Path
 
 from xmc_repro.report import records as run_records
+from xmc_repro.report.csv_file import read_rows
 from xmc_repro.report.identity import CONFIG_COLUMNS, config_key, configuration, split_by_settings
 from xmc_repro.report.state import model_state_bytes, param
 
@@ -115,8 +116,8 @@ def write_runs_csv(rows: list[dict], path: Path) -> None:
 
 
 def read_runs_csv(path: Path) -> list[dict[str, str]]:
-    with open(path, newline="") as f:
-        return list(csv.DictReader(f))
+    numeric = (*(name for metric in METRICS for name in (metric, f"{metric}_std")), STATE_MIB, "runs")
+    return read_rows(path, COLUMNS, numeric, "write it again from the records with `python -m xmc_repro.report export`")
 
 
 def export(path: Path, directory: Path = run_records.RECORDS_DIR) -> list[dict[str, str]]:

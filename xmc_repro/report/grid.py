@@ -13,6 +13,7 @@ import functools
 import itertools
 from pathlib import Path
 
+from xmc_repro.report.csv_file import read_rows
 from xmc_repro.report.identity import CONFIG_COLUMNS, config_key, configuration
 from xmc_repro.resources import resource_dir
 
@@ -91,8 +92,7 @@ def write_grid(path: Path, tables=TABLES, scales=SCALES) -> int:
 
 def read_grid(path: Path):
     """`expected(table, scale)` from a file written by `write_grid`."""
-    with open(path, newline="") as f:
-        rows = list(csv.DictReader(f))
+    rows = read_rows(path, CONFIG_COLUMNS, (), "write it again with `python -m xmc_repro.report grid`")
 
     def expected(table: str, scale: str) -> list[dict[str, str]]:
         return [row for row in rows if row["table"] == table and row["scale"] == scale]

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-import csv
 from pathlib import Path
+
+from xmc_repro.report.csv_file import read_rows
 
 PAPER_CSV = Path(__file__).resolve().parents[2] / "results" / "paper_results.csv"
 
@@ -26,9 +27,13 @@ TITLES = {
 }
 
 
+COLUMNS = ("table", "dataset", "features", "setup", "connectivity", "intermediate", "loss", "kind")
+NUMERIC = ("test_p1", "test_p3", "test_p5", "train_p1", "train_p3", "train_p5", "memory_gib", "epochs",
+           "time_per_epoch_s", "runs")  # fmt: skip
+
+
 def load(path: Path = PAPER_CSV) -> list[dict[str, str]]:
-    with open(path, newline="") as f:
-        return list(csv.DictReader(f))
+    return read_rows(path, COLUMNS + NUMERIC, NUMERIC, f"fix it or restore the project's copy, `git checkout -- {path}`")
 
 
 def row_key(row: dict) -> tuple[str, ...]:

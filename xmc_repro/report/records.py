@@ -101,35 +101,38 @@ def tracking_uri(uri: str | None = None) -> str:
     return uri or os.environ.get("MLFLOW_TRACKING_URI") or DEFAULT_TRACKING_URI
 
 
-def finished_runs(uri: str) -> list:
-    """Every FINISHED run with a `table` tag, from every experiment of the store."""
+def table_runs(uri: str) -> tuple[list, dict[str, int]]:
+    """The FINISHED runs with a `table` tag, from every experiment of the store, and counts of the runs passed
+    over: by status (RUNNING, FAILED, KILLED, ...) and, among finished ones, `untagged` (no `table` tag)."""
     from mlflow.entities import ViewType
     from mlflow.tracking import MlflowClient
 
     client = MlflowClient(uri)
     experiment_ids = [e.experiment_id for e in client.search_experiments(view_type=ViewType.ALL)]
-    runs, token = [], None
+    runs, skipped, token = [], {}, None
     while experiment_ids:
-        page = client.search_runs(
-            experiment_ids,
-            filter_string="attributes.status = 'FINISHED'",
-            run_view_type=ViewType.ACTIVE_ONLY,
-            max_results=1000,
-            page_token=token,
-        )
-        runs.extend(run for run in page if run.data.tags.get("table"))
+        page = client.search_runs(experiment_ids, run_view_type=ViewType.ACTIVE_ONLY, max_results=1000,
+                                  page_token=token)  # fmt: skip
+        for run in page:
+            if run.info.status != "FINISHED":
+                skipped[run.info.status] = skipped.get(run.info.status, 0) + 1
+            elif not run.data.tags.get("table"):
+                skipped["untagged"] = skipped.get("untagged", 0) + 1
+            else:
+                runs.append(run)
         token = page.token
         if not token:
             break
-    return runs
+    return runs, skipped
 
 
-def add_from_store(uri: str | None = None, directory: Path = RECORDS_DIR) -> dict[str, int]:
-    """Copy the FINISHED table runs of the store at `uri` into records; counts of new, updated, unchanged."""
+def add_from_store(uri: str | None = None, directory: Path = RECORDS_DIR) -> dict:
+    """Copy the FINISHED table runs of the store at `uri` into records. Returns the counts of new, updated and
+    unchanged records, and under `skipped` those of the runs left out (see `table_runs`)."""
     uri = tracking_uri(uri)
     _check_store(uri)
     try:
-        runs = finished_runs(uri)
+        runs, skipped = table_runs(uri)
     except Exception as error:  # a folder, file://, an unknown scheme: MLflow's long tracebacks
         reason = " ".join(f"{type(error).__name__}: {error}".split())[:200]
         raise DataError(f"{uri}: cannot read runs from this MLflow store ({reason}); pass the store that holds them, "
@@ -137,7 +140,15 @@ def add_from_store(uri: str | None = None, directory: Path = RECORDS_DIR) -> dic
     counts = {"new": 0, "updated": 0, "unchanged": 0}
     for run in runs:
         counts[save(record_of_run(run), directory)] += 1
-    return counts
+    return {**counts, "skipped": skipped}
+
+
+def skipped_line(skipped: dict[str, int]) -> str:
+    """'; left out 2 runs: 1 FAILED, 1 without a `table` tag' ('' when none were)."""
+    if not skipped:
+        return ""
+    parts = [f"{n} {'without a `table` tag' if why == 'untagged' else why}" for why, n in sorted(skipped.items())]
+    return f"; left out {sum(skipped.values())} runs: {', '.join(parts)}"
 
 
 def _check_store(uri: str) -> None:

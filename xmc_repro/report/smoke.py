@@ -16,6 +16,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from xmc_repro.errors import DataError
 from xmc_repro.report.grid import TABLES, conf_dir, job_overrides
 from xmc_repro.report.records import PROJECT_ROOT, tracking_uri
 
@@ -123,7 +124,16 @@ def write_data_missing(path: Path, missing: dict[str, str]) -> None:
 
 def read_data_missing(path: Path) -> dict[str, str]:
     """{dataset name: where its data was looked for}; an absent file means nothing is known missing."""
-    return json.loads(path.read_text()) if path.exists() else {}
+    if not path.exists():
+        return {}
+    remedy = "write it again with `python -m xmc_repro.report smoke` or restore it with `git checkout`"
+    try:
+        missing = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        raise DataError(f"{path}: not valid JSON ({error}); {remedy}") from None
+    if not isinstance(missing, dict) or not all(isinstance(v, str) for v in missing.values()):
+        raise DataError(f"{path}: not an object of dataset names and the paths looked at; {remedy}")
+    return missing
 
 
 def absolute(uri: str) -> str:
