@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 import scipy.sparse as sp
@@ -282,3 +284,14 @@ def test_a_data_warning_prints_as_the_one_line_it_says(monkeypatch):
     console.quiet()  # what the command line does first
     assert warnings.formatwarning(DataWarning("t.txt: x"), DataWarning, "sources.py", 9) == "warning: t.txt: x\n"
     assert "sources.py:9" in warnings.formatwarning(UserWarning("y"), UserWarning, "sources.py", 9, "")
+
+
+def test_a_training_set_without_any_label_is_refused(tmp_path):
+    """Every point unlabelled (e.g. a features-only file given as the training set): nothing to learn."""
+    from xmc_repro.data.sources import load_splits
+
+    (tmp_path / "train.txt").write_text("2 4 6\n 0:1 2:0.5\n 1:1\n")
+    (tmp_path / "test.txt").write_text("1 4 6\n1,2 0:1\n")
+    cfg = {"kind": "xc", "data_dir": str(tmp_path), "train_file": "train.txt", "test_file": "test.txt"}
+    with pytest.raises(DataError, match=rf"^{re.escape(str(tmp_path / 'train.txt'))}: no training point has a label"):
+        load_splits(cfg)

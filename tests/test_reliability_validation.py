@@ -82,6 +82,10 @@ REFUSED = {
     "kind_unknown": (["dataset.kind=foo"], "dataset.kind='foo' is unknown; choose one of synthetic, xc, npy"),
     "xc_without_test_file": (["dataset=xc", "dataset.train_file=a.txt"], "dataset.test_file is not set"),
     "normalize_unknown": (["dataset=bibtex", "dataset.normalize=foo"], "dataset.normalize='foo' is unknown"),
+    # PSP@k would come out negative, or infinite for a label without training points
+    "propensity_A_negative": (["dataset.propensity.A=-1"], "dataset.propensity.A=-1 must be a finite number > 0; "
+                              "Jain et al.'s constants"),
+    "propensity_B_0": (["dataset.propensity.B=0"], "dataset.propensity.B=0 must be a finite number > 0"),
     # Lightning refuses these too, but with a traceback
     "num_workers_negative": (["trainer.num_workers=-1"], "trainer.num_workers=-1 must be an integer >= 0"),
     "num_workers_word": (["trainer.num_workers=abc"], "trainer.num_workers='abc' must be an integer >= 0"),
@@ -121,7 +125,7 @@ ACCEPTED = [
     ["trainer.devices=2"], ["trainer.devices=-1"], ["trainer.devices=auto"], ["trainer.devices=[0,1]"],
     ["trainer.devices='0,1'"], ["trainer=ddp"], ["trainer.strategy=ddp"], ["trainer.num_workers=2"],
     ["trainer.train_eval_max_points=null"], ["validate_on=holdout", "dataset.holdout_fraction=0.2"],
-    ["model=dense", "model.head=dense"],
+    ["model=dense", "model.head=dense"], ["dataset.propensity.A=0.5", "dataset.propensity.B=0.4"],
 ]
 
 

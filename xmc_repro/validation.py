@@ -174,6 +174,9 @@ def validate(cfg: DictConfig) -> None:
 def _dataset(cfg: DictConfig) -> None:
     """What the data sources would refuse after the run has opened (xmc_repro.data.sources, .synthetic)."""
     kind = choice(OmegaConf.select(cfg, "dataset.kind"), "dataset.kind", DATASET_KINDS)
+    for key in ("A", "B"):  # B > 0 keeps a label without training points finite: (0 + B)^-A
+        number(cfg, f"dataset.propensity.{key}", low=0, low_open=True,
+               fix="Jain et al.'s constants: A=0.55 B=1.5, Amazon A=0.6 B=2.6, Wikipedia A=0.5 B=0.4")
     if kind == "synthetic":
         for key in ("num_train", "num_test", "num_features", "num_labels", "latent_dim", "chunk_size"):
             _optional_positive(cfg, f"dataset.{key}", "")

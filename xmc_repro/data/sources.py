@@ -76,6 +76,13 @@ def absolute(path) -> Path:
 
 def load_splits(cfg: dict) -> tuple[Split, Split]:
     """(train, test) for a dataset config given as a plain dict."""
+    train, test = _read_splits(cfg)
+    if train.labels.nnz == 0:  # every score would be trained down: hours spent learning nothing
+        raise DataError(f"{train.source}: no training point has a label; give the training set with its labels")
+    return train, test
+
+
+def _read_splits(cfg: dict) -> tuple[Split, Split]:
     kind = cfg.get("kind")
     if kind == "synthetic":
         return _synthetic(cfg)
