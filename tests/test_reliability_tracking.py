@@ -148,3 +148,20 @@ def test_git_commit_says_when_the_code_differs_from_the_commit(tmp_path, monkeyp
     monkeypatch.delenv("XMC_GIT_COMMIT")
     monkeypatch.setattr(tracking, "PROJECT_ROOT", tmp_path / "missing")
     assert tracking.git_commit() == "unknown"
+
+
+def test_a_sqlite_store_that_is_a_folder_is_refused_at_once(tmp_path):
+    """MLflow spent about two minutes retrying such a store before its own error."""
+    import time
+
+    from xmc_repro.errors import ConfigError
+
+    (tmp_path / "a_file").write_text("")
+    for path in (tmp_path, tmp_path / "a_file" / "mlruns.db"):
+        began = time.monotonic()
+        with pytest.raises(ConfigError, match=rf"^logger\.tracking_uri=sqlite:///.*: .* is a folder or lies under a "
+                                              r"file, not a database; name a database file"):  # fmt: skip
+            tracking.RunTracker(f"sqlite:///{path}", "xmc_repro")
+        assert time.monotonic() - began < 5
+    tracking.check_store(f"sqlite:///{tmp_path / 'new' / 'mlruns.db'}")  # a file to be created in a new folder
+    tracking.check_store("sqlite:///:memory:")

@@ -125,9 +125,14 @@ def store_lock(tracking_uri: str):
             fcntl.flock(handle, fcntl.LOCK_UN)
 
 
-def check_server(tracking_uri: str, setting: str = "logger.tracking_uri=") -> None:
-    """For an http(s) store: bound MLflow's retries (unless set in the environment) and fail fast, in one line
-    starting with `setting` and the address, when the server does not answer."""
+def check_store(tracking_uri: str, setting: str = "logger.tracking_uri=") -> None:
+    """Fail fast, in one line starting with `setting` and the URI, where MLflow would spend minutes retrying: a
+    sqlite store whose file is a folder, or an http(s) server that does not answer (MLflow's retries are bounded
+    unless set in the environment)."""
+    path = sqlite_path(tracking_uri)
+    if path is not None and (path.is_dir() or any(p.exists() and not p.is_dir() for p in path.parents)):
+        raise ConfigError(f"{setting}{tracking_uri}: {path} is a folder or lies under a file, not a database; "
+                          "name a database file, e.g. sqlite:///mlruns.db")
     if not tracking_uri.startswith(("http://", "https://")):
         return
     for name, value in HTTP_LIMITS.items():
@@ -199,7 +204,7 @@ class RunTracker:
 
     def __init__(self, tracking_uri: str, experiment_name: str, run_id: str | None = None, run_name: str | None = None):
         self.tracking_uri = tracking_uri
-        check_server(tracking_uri)
+        check_store(tracking_uri)
         with store_lock(tracking_uri), _quiet("mlflow.store.db.utils", "alembic"):  # schema creation chatter
             self.client = MlflowClient(tracking_uri)
             self.experiment_id = with_retries(self._experiment, experiment_name)

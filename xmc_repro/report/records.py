@@ -153,9 +153,9 @@ def skipped_line(skipped: dict[str, int]) -> str:
 
 def _check_store(uri: str) -> None:
     """A sqlite store that does not exist would be created empty by MLflow: refuse it instead."""
-    from xmc_repro.tracking import check_server
+    from xmc_repro import tracking
 
-    check_server(uri, setting="")  # a server that does not answer: one line within seconds, not minutes of retries
-    prefix = "sqlite:///"
-    if uri.startswith(prefix) and not Path(uri[len(prefix) :]).is_file():
+    tracking.check_store(uri, setting="")  # a folder, a silent server: one line in seconds, not minutes of retries
+    path = tracking.sqlite_path(uri)
+    if path is not None and not path.is_file():
         raise DataError(f"{uri}: no such MLflow store; pass the store that holds the runs, e.g. sqlite:///gpu.db")

@@ -82,13 +82,13 @@ STORE_SCHEMES = ("sqlite", "http", "https", "postgresql", "mysql", "mssql", "dat
 def check_store(uri: str) -> None:
     """A store the sweep's jobs can write to, or one line saying what to give instead."""
     from xmc_repro.errors import ConfigError
-    from xmc_repro.tracking import check_server
+    from xmc_repro import tracking
 
     scheme = uri.split("://", 1)[0].split("+", 1)[0] if "://" in uri else ""
     if scheme not in STORE_SCHEMES:
         raise ConfigError(f"--tracking-uri {uri}: not an MLflow tracking store this can write runs to; give "
                           "sqlite:///mlruns.db or an http://host:port tracking server")
-    check_server(uri, setting="--tracking-uri ")
+    tracking.check_store(uri, setting="--tracking-uri ")
 
 
 def run_smoke(tables=TABLES, uri: str | None = None, data_missing: Path = DATA_MISSING, run=subprocess.run) -> None:
