@@ -230,6 +230,11 @@ def test_train_test_dimension_mismatch(tmp_path):
     np.save(tmp_path / "test-slice.npy", np.zeros((20, 7), np.float32))
     with pytest.raises(DataError, match="test-slice.npy: 7 features per point but .*train-slice.npy has 6"):
         setup_dm(npy_cfg(tmp_path))
+    np.save(tmp_path / "test-slice.npy", np.zeros((20, 6), np.float32))
+    text = (tmp_path / "test-labels.txt").read_text().split("\n", 1)
+    (tmp_path / "test-labels.txt").write_text("20 3 10\n" + text[1])  # the label files declare the labels
+    with pytest.raises(DataError, match="test-labels.txt: declares 10 labels but .*train-labels.txt declares 9"):
+        setup_dm(npy_cfg(tmp_path))
     rng = np.random.default_rng(1)
     _, labels = random_labels(rng, 5, 4)
     write_xc(tmp_path / "a.txt", np.ones((5, 3), np.float32), labels)

@@ -120,6 +120,7 @@ BAD = [
     ("2 4 5\n0 1:1\n1 0:\n", ":3: entry '0:'"),
     ("2 4 5\n0 1:1\n1 0:abc\n", ":3: value in '0:abc' is not a number"),
     ("2 4 5\n0 1:1\n1 0:1.5.3\n", ":3: value in '0:1.5.3'"),
+    ("3 4 5\n0 1:1\n1 0:1\n1 0:1_0\n", ":4: value in '0:1_0'"),  # float() takes '1_0', the parser does not
     ("2 4 5\n0 1:1\n7 0:1\n", ":3: label id 7 >= 5"),
     ("2 4 5\n0 1:1\n1 4:1\n", ":3: feature index 4 >= 4"),
     ("2 4 5\n0 1:nan\n1 0:1\n", ":2: value nan"),
@@ -234,8 +235,17 @@ def test_header_declaring_zero_labels_or_features_names_the_file(tmp_path, text,
         read_labels(tmp_path / "zero_labels.txt")
 
 
-def test_l2_normalisation_does_not_overflow_near_float32_max():
-    from xmc_repro.data.features import normalize_rows
+def test_a_header_count_beyond_int32_is_refused_instead_of_wrapping_indices(tmp_path):
+    """Feature 2**31 was stored as -2**31 in the CSR matrix (a crash later)."""
+    path = tmp_path / "huge.txt"
+    path.write_text("2 3000000000 3\n0 2147483648:1\n1 5:1\n")
+    with pytest.raises(DataError, match=rf"^{path}:1: the header declares 3000000000 features, more than the "
+                                        "2147483647 this reader indexes; fix the header"):  # fmt: skip
+        read_xc(path)
+
+
+def test_l2_and_tfidf_normalisation_do_not_overflow_near_float32_max():
+    from xmc_repro.data.features import normalize_rows, tfidf_rows
 
     x = sp.csr_matrix(np.array([[3e38, 3e38, 0], [0, 0, 0], [1, 2, 2], [1e-40, 0, 1e-40]], np.float32))
     y = normalize_rows(x, "l2").toarray()
@@ -243,6 +253,10 @@ def test_l2_normalisation_does_not_overflow_near_float32_max():
     np.testing.assert_allclose(y[0], [2**-0.5, 2**-0.5, 0], rtol=1e-6)  # was all zeros: (3e38)^2 overflowed
     np.testing.assert_allclose(y[2], [1 / 3, 2 / 3, 2 / 3], rtol=1e-6)
     np.testing.assert_allclose(np.linalg.norm(y, axis=1), [1, 0, 1, 1], rtol=1e-6)
+    idf = np.array([1, 2, 3], np.float32)  # 3e38 * 2 overflowed float32 and the row came out all zeros
+    weighted = tfidf_rows(sp.csr_matrix(np.array([[3e38, 1e38, 0], [1, 1, 1]], np.float32)), idf).toarray()
+    assert weighted.dtype == np.float32
+    np.testing.assert_allclose(weighted, [[3 / 13**0.5, 2 / 13**0.5, 0], np.array([1, 2, 3]) / 14**0.5], rtol=1e-6)
 
 
 def test_labels_out_of_order_are_sorted_and_named_in_one_warning(tmp_path):

@@ -80,6 +80,15 @@ def test_edge_cases():
     assert empty.compute()["p_at_1"] == 0.0
 
 
+def test_scores_of_another_width_and_rank_0_are_refused():
+    # Row 0's label 7 of 10 would be row 1's label 2 among 5 columns: a phantom hit (P@1 50 instead of 0).
+    scores, ptr, idx = torch.tensor([[1.0, 0, 0, 0, 0], [0, 0, 1.0, 0, 0]]), torch.tensor([0, 1, 2]), torch.tensor([7, 0])
+    with pytest.raises(ValueError, match="scores have 5 columns but the metrics count 10 labels"):
+        XMCMetrics(10).update(scores, ptr, idx)
+    with pytest.raises(ValueError, match="every k must be a rank >= 1"):
+        XMCMetrics(10, ks=(0, 1))
+
+
 def test_inverse_propensity_formula():
     counts = np.array([0, 1, 10, 1000])
     got = inverse_propensity(counts, A=0.6, B=2.6, num_points=5000)

@@ -40,6 +40,8 @@ class XMCMetrics:
     def __init__(self, num_labels: int, ks=(1, 3, 5), inv_propensity=None):
         self.num_labels = int(num_labels)
         self.ks = tuple(int(k) for k in ks)
+        if not self.ks or min(self.ks) < 1:
+            raise ValueError(f"ks={ks}: every k must be a rank >= 1")
         self.kmax = max(self.ks)
         self.inv_propensity = inv_propensity
         self._invp = None  # inv_propensity as a float64 tensor on the scores' device
@@ -52,6 +54,8 @@ class XMCMetrics:
     def update(self, scores: torch.Tensor, label_ptr: torch.Tensor, label_idx: torch.Tensor) -> None:
         device = scores.device
         b, num_labels = scores.shape
+        if num_labels != self.num_labels:  # a label id would then be read as another row's label: phantom hits
+            raise ValueError(f"scores have {num_labels} columns but the metrics count {self.num_labels} labels")
         if b == 0:
             return
         label_ptr = label_ptr.to(device=device, dtype=torch.long)

@@ -291,17 +291,14 @@ class XMCClassifier(pl.LightningModule):
         return [m for m in self.modules() if hasattr(m, "rewire")]
 
     @torch.no_grad()
-    def evaluate(self, loader, inv_propensity=None, max_points: int | None = None, precision=None) -> dict[str, float]:
+    def evaluate(self, loader, inv_propensity=None, precision=None) -> dict[str, float]:
         """P@k, nDCG@k, PSP@k (percent) over `loader`, streamed batch by batch. `precision`: the trainer's
         precision plugin, so that the scores are computed as in validation (autocast for `-mixed`, inputs in the
         parameters' dtype for `-true`); without it, in plain float32."""
         was_training = self.training
         self.eval()
         metrics = XMCMetrics(self.hparams.num_labels, ks=(1, 3, 5), inv_propensity=inv_propensity)
-        seen = 0
         for x, label_ptr, label_idx in loader:
-            if max_points is not None and seen >= max_points:
-                break
             x, label_ptr, label_idx = (t.to(self.device) for t in (x, label_ptr, label_idx))
             if precision is None:
                 scores = self(x)
@@ -309,7 +306,6 @@ class XMCClassifier(pl.LightningModule):
                 with precision.forward_context():
                     scores = self(precision.convert_input(x))
             metrics.update(scores, label_ptr, label_idx)
-            seen += x.shape[0]
         self.train(was_training)
         return {k: float(v) for k, v in metrics.compute().items()}
 

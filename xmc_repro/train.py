@@ -358,7 +358,7 @@ def _fit_and_test(cfg, tracker, checkpoint_dir: Path, resume_from: Path | None, 
     inv_prop = model.val_metrics.inv_propensity
     evaluate = functools.partial(model.evaluate, inv_propensity=inv_prop, precision=trainer.precision_plugin)
     test = evaluate(dm.test_dataloader())
-    train = evaluate(dm.train_eval_dataloader(), max_points=t.train_eval_max_points)
+    train = evaluate(dm.train_eval_dataloader(max_points=t.train_eval_max_points))
     callbacks["memory"].update(model)
     results = {f"test/{k}": v for k, v in test.items()}
     results.update({f"train/{k}": v for k, v in train.items()})

@@ -237,13 +237,12 @@ class XMCDataModule(pl.LightningDataModule):
     def train_eval_dataloader(self, max_points: int | None = None) -> DataLoader:
         """Training points for train P@k, in a fixed seeded random order: any prefix is a uniform sample.
 
-        ``max_points`` (or ``dataset.train_eval_max_points``) keeps only that many, for huge train sets.
+        ``max_points`` keeps only that many (trainer.train_eval_max_points), for huge train sets.
         """
         data = BatchDataset(self.train_split, self.train_rows)
         order = np.random.default_rng([self.seed, 7]).permutation(len(data))
-        limit = max_points if max_points is not None else self.cfg.get("train_eval_max_points")
-        if limit is not None:
-            order = order[: int(limit)]
+        if max_points is not None:
+            order = order[: int(max_points)]
         return self._eval_loader(data, order)
 
     def _eval_loader(self, data: BatchDataset, order: np.ndarray | None = None) -> DataLoader:

@@ -63,8 +63,8 @@ def normalize_rows(x: sp.csr_matrix, how: str) -> sp.csr_matrix:
     if how == "none":
         return x
     # Each row is divided by its largest |value| first: squaring float32 values near 3e38 would overflow to
-    # inf and turn the whole row into zeros.
-    x = sp.csr_matrix(x, dtype=np.float32)
+    # inf and turn the whole row into zeros. A float64 input (tf-idf products) is kept as it is until scaled.
+    x = sp.csr_matrix(x, dtype=np.float64 if x.dtype == np.float64 else np.float32)
     peak = np.asarray(abs(x).max(axis=1).todense(), np.float64).ravel()
     peak[peak == 0] = 1.0
     scaled = sp.diags(1.0 / peak) @ x.astype(np.float64)
@@ -85,7 +85,8 @@ def inverse_document_frequency(train: sp.csr_matrix) -> np.ndarray:
 def tfidf_rows(x: sp.csr_matrix, idf: np.ndarray) -> sp.csr_matrix:
     """Term counts times idf, each row then scaled to unit L2 norm: how the Extreme Classification Repository
     builds its bag-of-words features."""
-    return normalize_rows(sp.csr_matrix(x @ sp.diags(idf), dtype=np.float32), "l2")
+    weighted = sp.csr_matrix(x, dtype=np.float64) @ sp.diags(idf.astype(np.float64))  # float32 could overflow
+    return normalize_rows(sp.csr_matrix(weighted), "l2")
 
 
 def dense_rows(features, rows: np.ndarray) -> np.ndarray:

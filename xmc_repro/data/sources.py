@@ -130,7 +130,7 @@ def _xc(cfg) -> tuple[Split, Split]:
     for data in (train, test):
         _note_label_order(data.labels, data.path)
         _note_blank_points(data)
-    _check_pair(train.labels, test.labels, train.num_features, test.num_features, *paths)
+    _check_pair(train.labels, test.labels, train.num_features, test.num_features, paths)
     if normalize == "tfidf":  # idf from the training split only: nothing is learnt from the test points
         idf = inverse_document_frequency(train.features)
         return tuple(Split(tfidf_rows(d.features, idf), d.labels, str(d.path)) for d in (train, test))
@@ -168,10 +168,8 @@ def _npy(cfg) -> tuple[Split, Split]:
         x = load_npy_features(paths[f"{split}_features"], rows=labels.num_points, dim=dim)
         splits.append(Split(x, labels, f"{paths[f'{split}_features']} + {paths[f'{split}_labels']}"))
     train, test = splits
-    _check_pair(
-        train.labels, test.labels, train.num_features, test.num_features,
-        paths["train_features"], paths["test_features"],
-    )
+    _check_pair(train.labels, test.labels, train.num_features, test.num_features,
+                (paths["train_features"], paths["test_features"]), (paths["train_labels"], paths["test_labels"]))
     return train, test
 
 
@@ -207,18 +205,20 @@ def _data_warning(message: str) -> None:
     rank_zero_warn(message, category=DataWarning)
 
 
-def _check_pair(train: LabelCSR, test: LabelCSR, train_dim: int, test_dim: int, train_path, test_path) -> None:
-    """Train and test must describe the same feature and label spaces, and hold points."""
-    for labels, path in ((train, train_path), (test, test_path)):
+def _check_pair(train: LabelCSR, test: LabelCSR, train_dim: int, test_dim: int, feature_paths, label_paths=None):
+    """Train and test must describe the same feature and label spaces, and hold points. Paths: (train, test) of
+    the files that give the features and (when they are other files) the labels, to name in errors."""
+    train_labels, test_labels = label_paths or feature_paths
+    for labels, path in ((train, train_labels), (test, test_labels)):
         if labels.num_points == 0:
             raise DataError(f"{path}: no data points (its header declares 0); the split must not be empty")
     if train_dim != test_dim:
         raise DataError(
-            f"{test_path}: {test_dim} features per point but {train_path} has {train_dim}; train and test must "
-            "come from the same feature extraction"
+            f"{feature_paths[1]}: {test_dim} features per point but {feature_paths[0]} has {train_dim}; train and "
+            "test must come from the same feature extraction"
         )
     if train.num_labels != test.num_labels:
         raise DataError(
-            f"{test_path}: declares {test.num_labels} labels but {train_path} declares {train.num_labels}; "
+            f"{test_labels}: declares {test.num_labels} labels but {train_labels} declares {train.num_labels}; "
             "use the train/test pair of one dataset (fix the header if the label spaces are the same)"
         )

@@ -15,6 +15,7 @@ A UTF-8 byte-order mark and Windows line ends (CRLF) are read as if absent.
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -62,6 +63,9 @@ def first_line(path: Path) -> bytes:
     return first.removeprefix(_BOM)
 
 
+INT32_MAX = 2**31 - 1
+
+
 def read_header(path: Path, fields: int) -> tuple[int, ...]:
     """The header's ``fields`` non-negative integers; DataError for a missing, empty or malformed file."""
     path = Path(path)
@@ -73,7 +77,11 @@ def read_header(path: Path, fields: int) -> tuple[int, ...]:
     if len(parts) != fields or not all(p.isdigit() for p in parts):
         shown = first.decode("utf-8", "replace").strip()[:80]
         raise DataError(f"{path}:1: malformed header {shown!r}; expected {fields} non-negative integers '{names}'")
-    return tuple(int(p) for p in parts)
+    counts = tuple(int(p) for p in parts)
+    if max(counts) > INT32_MAX:  # indices are stored as int32 (as torch's and scipy's CSR take them)
+        raise DataError(f"{path}:1: the header declares {max(counts)} {names.split()[counts.index(max(counts))]}, "
+                        f"more than the {INT32_MAX} this reader indexes; fix the header")
+    return counts
 
 
 def read_xc(path: str | Path, labels_only: bool = False) -> XCData:
@@ -340,11 +348,19 @@ def _line_problem(line: bytes, has_labels: bool) -> str | None:
         shown = tok.decode("utf-8", "replace")[:40]
         if len(parts) != 2 or not parts[0].isdigit() or not parts[1]:
             return f"entry {shown!r} is not 'index:value'; expected {shape}"
-        try:
-            float(parts[1])
-        except ValueError:
+        if not _is_number(parts[1]):
             return f"value in {shown!r} is not a number; expected {shape}"
     return None
+
+
+def _is_number(text: bytes) -> bool:
+    """A number as the chunk parser (np.fromstring) reads one; float() also takes '1_0', which it refuses."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # older numpy warns and stops where newer raises
+        try:
+            return np.fromstring(text.decode("ascii"), sep=" ").size == 1
+        except (ValueError, UnicodeDecodeError, DeprecationWarning):
+            return False
 
 
 # --------------------------------------------------------------------------------------------- writing
