@@ -152,6 +152,49 @@ def test_sigterm_outside_fit_ends_the_run_instead_of_the_process():
     assert signal.getsignal(signal.SIGTERM) is before
 
 
+# The command line with a SIGTERM sent to itself at one point of the run (a patched hook), then what it left.
+SIGTERM_AT = """
+import os, signal, sys
+where = sys.argv.pop(1)
+def sigterm():
+    os.kill(os.getpid(), signal.SIGTERM)
+if where == "opening":  # between MLflow creating the run and the tracker holding it
+    from mlflow.tracking import MlflowClient
+    create_run = MlflowClient.create_run
+    MlflowClient.create_run = lambda self, *a, **k: (create_run(self, *a, **k), sigterm())[0]
+elif where == "train_end":  # after the loops' last look at Lightning's SIGTERM flag
+    from xmc_repro.callbacks import EpochTime
+    EpochTime.on_train_end = lambda self, trainer, module: sigterm()
+elif where == "finished":  # just after the run is closed FINISHED
+    from xmc_repro.tracking import RunTracker
+    finish = RunTracker.finish
+    RunTracker.finish = lambda self, status="FINISHED", *a, **k: (finish(self, status, *a, **k), sigterm())[0]
+from xmc_repro.__main__ import main
+sys.argv = ["xmc_repro", *sys.argv[1:]]
+main()
+"""
+
+
+@pytest.mark.parametrize("where, status, line", [
+    ("opening", "FAILED", "interrupted (SIGTERM)"),  # exit 0, nothing said, and the run RUNNING for good
+    ("train_end", "FAILED", "interrupted (SIGTERM)"),  # flagged by Lightning, then ignored: FINISHED, exit 0
+    ("finished", "FINISHED", "SIGTERM after run "),  # was turned into FAILED, its results left out of the tables
+])  # fmt: skip
+def test_a_sigterm_anywhere_in_the_run_ends_it_in_one_line_with_exit_143(tmp_path, where, status, line):
+    from test_reliability_common import _USED, tracking_uri
+
+    (tmp_path / "sigterm_at.py").write_text(SIGTERM_AT)
+    _USED.add(tmp_path)
+    done = subprocess.run([sys.executable, str(tmp_path / "sigterm_at.py"), where, *TINY, "trainer.max_epochs=1",
+                           f"logger.tracking_uri={tracking_uri(tmp_path)}"], cwd=tmp_path, env=cli_env(),
+                          capture_output=True, text=True, timeout=300)  # fmt: skip
+    lines = [text for text in stderr_lines(done.stderr) if text.startswith("error: ")]
+    assert done.returncode == 143 and len(lines) == 1 and line in lines[0], done.stderr[-3000:]
+    (run,) = runs(tmp_path)
+    assert run.info.status == status
+    assert ("test/p_at_1" in run.data.metrics) == (where == "finished")
+
+
 def test_runs_of_sweep_jobs_killed_by_their_launcher_are_closed_by_the_sweep(tmp_path, store):
     """joblib kills its workers on Ctrl+C before a job can mark its run FAILED; the sweep's own process then closes
     the runs its jobs listed that no process writes any more, and leaves a run whose job is alive to that job."""

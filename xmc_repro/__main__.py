@@ -111,6 +111,8 @@ def _task(cfg: DictConfig):
         _record_failure(f"{job}: {message}")
         return None
     except (KeyboardInterrupt, SystemExit) as error:  # Ctrl+C or SIGTERM: the run is FAILED; stop (a sweep too)
+        if type(error).__name__ == "SIGTERMException" and not hasattr(error, "run_failure"):  # a code-less exit
+            error.run_failure = "SIGTERM before the MLflow run was opened; nothing was recorded"
         if full_errors() or not hasattr(error, "run_failure"):
             raise
         from xmc_repro.train import interruption

@@ -49,6 +49,7 @@ _CONTENTION = ("database is locked", "database table is locked", "database schem
                "unique constraint failed: datasets.")
 _jitter = random.Random()  # its own generator: retries must not move the global RNG that training uses
 TAG_KEYS = ("table", "scale")  # config keys recorded as tags (what the report filters on), not as params
+RESUMED_PREFIX = "resumed/"  # tag of a setting that a resume changed: `resumed/trainer/max_epochs`
 
 
 def is_setting(key: str) -> bool:
@@ -204,6 +205,7 @@ class RunTracker:
 
     def __init__(self, tracking_uri: str, experiment_name: str, run_id: str | None = None, run_name: str | None = None):
         self.tracking_uri = tracking_uri
+        self.closed_as: str | None = None  # the status `finish` gave the run
         check_store(tracking_uri)
         with store_lock(tracking_uri), _quiet("mlflow.store.db.utils", "alembic"):  # schema creation chatter
             self.client = MlflowClient(tracking_uri)
@@ -250,13 +252,17 @@ class RunTracker:
         return with_retries(self.client.get_run, self.run_id).info.status
 
     def log_config(self, cfg: DictConfig, tags: dict[str, str]) -> None:
-        """Params: the resolved config flattened with `/`, once each; `table` and `scale` go to `tags`."""
+        """Params: the resolved config flattened with `/`, once each; `table` and `scale` go to `tags`. MLflow keeps
+        a param's first value: a setting that a resume changed (e.g. trainer.max_epochs) is the tag
+        `resumed/<key>`, which the report reads in place of the param (`records.used_params`)."""
         params = [Param(k, v) for k, v in flatten(cfg).items() if k not in TAG_KEYS and is_setting(k)]
         existing = with_retries(self.client.get_run, self.run_id).data.params
-        params = [p for p in params if p.key not in existing]  # a resumed run keeps its params
+        changed = {f"{RESUMED_PREFIX}{p.key}": p.value for p in params
+                   if p.key in existing and existing[p.key] != p.value and p.key != "resume"}  # fmt: skip
+        params = [p for p in params if p.key not in existing]
         for start in range(0, len(params), 100):  # MLflow's batch limit
             with_retries(self.client.log_batch, self.run_id, params=params[start : start + 100])
-        self.set_tags(tags)
+        self.set_tags({**tags, **changed})
         with_retries(self.client.log_text, self.run_id, OmegaConf.to_yaml(cfg, resolve=True), "config.yaml")
 
     def log_params(self, params: dict) -> None:
@@ -287,6 +293,7 @@ class RunTracker:
             extra["error"] = message[:5000]
         self.set_tags(extra)
         with_retries(self.client.set_terminated, self.run_id, status)
+        self.closed_as = status
 
     def log_dataset(self, dataset_cfg: DictConfig, datamodule) -> None:
         """The data as an MLflow dataset input (the runs table's Dataset column): name, digest, sizes."""

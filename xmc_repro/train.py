@@ -223,6 +223,31 @@ def sigterm_ends_the_run(progress: dict):
         signal.signal(signal.SIGTERM, previous)
 
 
+@contextlib.contextmanager
+def interruptions_deferred():
+    """SIGTERM and Ctrl+C only noted while the MLflow run is being created or reopened: raised there, they would
+    leave a run RUNNING that no tracker can close. Yields the list of signals that came; the caller raises them
+    once it can end the run FAILED."""
+    received: list[int] = []
+    if threading.current_thread() is not threading.main_thread():  # only the main thread may set handlers
+        yield received
+        return
+    previous = {sig: signal.signal(sig, lambda signum, frame: received.append(signum))
+                for sig in (signal.SIGTERM, signal.SIGINT)}  # fmt: skip
+    try:
+        yield received
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def raise_deferred(received: list[int]) -> None:
+    if signal.SIGTERM in received:
+        raise SIGTERMException()
+    if received:
+        raise KeyboardInterrupt()
+
+
 def run(cfg: DictConfig) -> dict:
     """Train and test one configuration (or continue one, `resume=`); returns the final metrics and run id."""
     cfg, resume_from, run_id = prepare(cfg, explicit_settings(), multirun=bool(sweep_tags()))
@@ -242,13 +267,15 @@ def _run_and_record(cfg: DictConfig, resume_from: Path | None, run_id: str | Non
     # One writer per run: a resumed run's lock is taken before its MLflow run is touched.
     lock = checkpoints.hold_run(resume_from.parent, run_id) if resume_from else None
     try:
-        tracker = open_run(cfg, run_id)
+        with interruptions_deferred() as interrupted:
+            tracker = open_run(cfg, run_id)
     except BaseException:
         if lock is not None:
             lock.release()
         raise
     checkpoint_dir = resume_from.parent if resume_from else CHECKPOINT_ROOT / tracker.run_id
     try:
+        raise_deferred(interrupted)  # a signal that came while the run was opening: it ends FAILED here
         if lock is None:  # a new run: the lock also marks its folder, for resume to tell a dead run from a live one
             lock = checkpoints.hold_run(checkpoint_dir, tracker.run_id)
         if sweep_tags():  # a sweep's job: its launcher may kill it before it can close its run (Ctrl+C, joblib)
@@ -260,6 +287,9 @@ def _run_and_record(cfg: DictConfig, resume_from: Path | None, run_id: str | Non
         )
         return _fit_and_test(cfg, tracker, checkpoint_dir, resume_from, progress)
     except BaseException as error:  # KeyboardInterrupt included: the run must not stay RUNNING
+        if tracker.closed_as == "FINISHED":  # a signal after the run was recorded: it stays FINISHED
+            error.run_failure = f"{interruption(error)} after run {tracker.run_id} had FINISHED; its results are recorded"
+            raise
         trainer = progress.get("trainer")
         tags = {"failed_at_step": trainer.global_step} if trainer is not None else {}
         message = failure_message(error, tracker.run_id, checkpoint_dir / checkpoints.LAST)
@@ -345,6 +375,8 @@ def _fit_and_test(cfg, tracker, checkpoint_dir: Path, resume_from: Path | None, 
         }
     )
     trainer.fit(model, datamodule=dm, ckpt_path=resume_from)
+    if trainer.received_sigterm:  # flagged after the loops' last look (e.g. in on_train_end): fit returned normally
+        raise SIGTERMException()
 
     best = callbacks["best"].best_model_path
     if best and restores_best(t.get("restore_best", BEFORE_THE_SETTING["restore_best"]), callbacks.get("early_stop")):

@@ -49,8 +49,9 @@ def summarize(records: list[dict]) -> list[dict[str, str]]:
     """One row per configuration: the latest record of each seed, then mean and spread over seeds."""
     latest: dict[tuple, dict[str, object]] = {}
     records = [r for r in records if r["status"] == "FINISHED" and r["tags"].get("table")]
-    configs = [configuration(r["params"], r["tags"]) for r in records]
-    split_by_settings(configs, [r["params"] for r in records])
+    params = [run_records.used_params(r) for r in records]
+    configs = [configuration(p, r["tags"]) for p, r in zip(params, records)]
+    split_by_settings(configs, params)
     for record, config in zip(records, configs):
         seed = _param(record["params"], "seed")
         slot = (config_key(config), record["tags"].get("device", ""), seed)
@@ -84,7 +85,7 @@ def _row(entries: list[dict]) -> dict[str, str]:
             row[f"{column}_std"] = _number(statistics.stdev(values))
         else:
             row[f"{column}_std"] = _number(spread[0]) if spread else ""
-    state = {model_state_bytes(r["params"], r["metrics"]) for r in records}
+    state = {model_state_bytes(run_records.used_params(r), r["metrics"]) for r in records}
     row[STATE_MIB] = _number(state.pop() / 2**20) if len(state) == 1 and None not in state else ""
     for tag in PROVENANCE:
         row[tag] = "; ".join(sorted({r["tags"].get(tag, "") for r in records} - {""}))

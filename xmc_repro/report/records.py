@@ -44,6 +44,14 @@ def record_of_run(run) -> dict:
     }
 
 
+def used_params(record: dict) -> dict:
+    """The settings a run trained with: its params, with those a resume changed (tags `resumed/<key>`, see
+    `tracking.RunTracker.log_config`) in place of the values it started with."""
+    prefix = "resumed/"
+    changed = {key[len(prefix) :]: value for key, value in record["tags"].items() if key.startswith(prefix)}
+    return {**record["params"], **changed}
+
+
 def dump(record: dict) -> str:
     return json.dumps(record, sort_keys=True, indent=1, ensure_ascii=False) + "\n"
 
