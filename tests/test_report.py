@@ -436,6 +436,16 @@ def test_render_writes_every_table_and_figure_with_our_points(store, tmp_path, p
     assert all(f"]({name})" in index for name in names)
 
 
+def test_a_run_tagged_with_a_table_but_no_scale_shows_alone_in_its_section(store, tmp_path, published):
+    """`table=table1` by hand: a section of its own run, not also every paper row as missing (there is no grid)."""
+    log_run(store, params_of(SMOKE_AMAZON_SLICE, "uniform", 32, 256), metrics_of(30.0), scale=None)
+    runs = export(tmp_path / "runs.csv", store)
+    rendered = render_tables(runs, published, tmp_path / "tables", expected=lambda table, scale: [])
+    by_scale = {scale: [r for r in rendered["table1"] if r["scale"] == scale] for scale in ("none", "paper")}
+    assert [r["status"] for r in by_scale["none"]] == ["measured"]
+    assert len(by_scale["paper"]) > 10 and {r["status"] for r in by_scale["paper"]} <= {"missing", "literature"}
+
+
 @pytest.mark.parametrize("head,extra", [("dense", {}), ("uniform", {"connectivity": 8}),
                                         ("unstructured", {"connectivity": 8}), ("bottleneck", {"bottleneck": 16}),
                                         ("bottleneck", {"bottleneck": 16, "bottleneck_activation": "linear"}),

@@ -18,6 +18,7 @@ import csv
 from pathlib import Path
 
 from xmc_repro.report import paper
+from xmc_repro.report.grid import SCALES, TABLES
 from xmc_repro.report.identity import PAPER_DATASETS, config_key, describe, paper_key
 
 # Metrics set beside the published ones (with their difference), in the paper's column names.
@@ -43,7 +44,8 @@ SCALE_NOTES = {
 
 def table_rows(table: str, scale: str, runs: list[dict], expected: list[dict], published: list[dict],
                data_missing: dict[str, str] | None = None) -> list[dict]:  # fmt: skip
-    """The rows of one table at one scale; `runs` are all of runs.csv (dense references may be in any table)."""
+    """The rows of one table at one scale; `runs` are all of runs.csv (dense references may be in any table). At a
+    scale without a grid (runs tagged `table=` by hand, without `scale=`), the rows of its runs only."""
     ours: dict[tuple, list[dict]] = {}  # a configuration may have run on several machines
     for run in runs:
         if run["table"] == table and run["scale"] == scale:
@@ -63,6 +65,8 @@ def table_rows(table: str, scale: str, runs: list[dict], expected: list[dict], p
     context = {"runs": runs, "published": published, "paper_table": paper.PAPER_TABLES[table]}
     rows = []
     for published_row in rows_here:
+        if scale not in SCALES and not matched.get(paper.row_key(published_row)):  # no grid there: its runs only
+            continue
         if published_row["setup"] == "literature":
             rows.append(_row(table, scale, published_row, "paper", None, None, context))
             continue
@@ -191,8 +195,6 @@ def _span(values: list[float]) -> str:
 
 def scales_to_show(runs: list[dict], table: str) -> list[str]:
     """Both defined scales always (never run = all missing), then any other scale that runs were tagged with."""
-    from xmc_repro.report.grid import SCALES
-
     others = sorted({r["scale"] for r in runs if r["table"] == table} - set(SCALES))
     return [*SCALES, *others]
 
@@ -351,8 +353,6 @@ def write_csv(rows: list[dict], path: Path) -> None:
 def render_tables(runs: list[dict], published: list[dict], out_dir: Path, expected,
                   data_missing: dict[str, str] | None = None) -> dict[str, list]:  # fmt: skip
     """Write table{1..5}.{md,tex,csv}; `expected(table, scale)` gives the preset's grid (grid.read_grid)."""
-    from xmc_repro.report.grid import TABLES
-
     out_dir.mkdir(parents=True, exist_ok=True)
     rendered = {}
     for table in TABLES:
