@@ -168,7 +168,8 @@ def test_a_sqlite_store_that_is_a_folder_is_refused_at_once(tmp_path):
 
 
 def test_a_setting_a_resume_changes_is_recorded_and_read_in_place_of_the_param(tmp_path):
-    """MLflow keeps a param's first value: a run resumed with more epochs still said trainer/max_epochs=2."""
+    """MLflow keeps a param's first value: a run resumed with more epochs still said trainer/max_epochs=2. The code
+    a run was resumed with was recorded over the one it started with."""
     from omegaconf import OmegaConf
 
     from xmc_repro.report import records
@@ -176,13 +177,14 @@ def test_a_setting_a_resume_changes_is_recorded_and_read_in_place_of_the_param(t
     uri = f"sqlite:///{tmp_path / 'mlruns.db'}"
     config = {"trainer": {"max_epochs": 2, "lr": 0.001}, "resume": None, "table": "t", "scale": "s"}
     first = tracking.RunTracker(uri, "xmc_repro")
-    first.log_config(OmegaConf.create(config), {"table": "t"})
+    first.log_config(OmegaConf.create(config), {"table": "t", "git_commit": "aaa"})
     resumed = tracking.RunTracker(uri, "xmc_repro", run_id=first.run_id)
     config.update(trainer={"max_epochs": 4, "lr": 0.001}, resume=first.run_id)
-    resumed.log_config(OmegaConf.create(config), {"table": "t"})
+    resumed.log_config(OmegaConf.create(config), {"table": "t", "git_commit": "bbb-dirty"})
     resumed.finish("FINISHED")
     run = resumed.client.get_run(first.run_id)
     assert run.data.params["trainer/max_epochs"] == "2" and run.data.tags["resumed/trainer/max_epochs"] == "4"
     assert not [tag for tag in run.data.tags if tag.startswith("resumed/") and tag != "resumed/trainer/max_epochs"]
+    assert (run.data.tags["git_commit"], run.data.tags["git_commit_resumed"]) == ("aaa", "bbb-dirty")  # both kept
     used = records.used_params(records.record_of_run(run))
     assert used["trainer/max_epochs"] == "4" and used["trainer/lr"] == "0.001"

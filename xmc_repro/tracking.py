@@ -256,9 +256,13 @@ class RunTracker:
         a param's first value: a setting that a resume changed (e.g. trainer.max_epochs) is the tag
         `resumed/<key>`, which the report reads in place of the param (`records.used_params`)."""
         params = [Param(k, v) for k, v in flatten(cfg).items() if k not in TAG_KEYS and is_setting(k)]
-        existing = with_retries(self.client.get_run, self.run_id).data.params
+        run = with_retries(self.client.get_run, self.run_id)
+        existing = run.data.params
         changed = {f"{RESUMED_PREFIX}{p.key}": p.value for p in params
                    if p.key in existing and existing[p.key] != p.value and p.key != "resume"}  # fmt: skip
+        started_at = run.data.tags.get("git_commit")
+        if started_at and tags.get("git_commit", started_at) != started_at:  # resumed from other code: keep both
+            tags = {**tags, "git_commit": started_at, "git_commit_resumed": tags["git_commit"]}
         params = [p for p in params if p.key not in existing]
         for start in range(0, len(params), 100):  # MLflow's batch limit
             with_retries(self.client.log_batch, self.run_id, params=params[start : start + 100])
