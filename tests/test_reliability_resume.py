@@ -65,7 +65,8 @@ def _history(workdir: Path, run_id: str, metric: str = "val/p_at_3") -> list[flo
     from mlflow.tracking import MlflowClient
 
     history = MlflowClient(f"sqlite:///{workdir / 'mlruns.db'}").get_metric_history(run_id, metric)
-    by_step = {m.step: m.value for m in history}  # a resumed run may log a step twice
+    by_step = {m.step: m.value for m in history}
+    assert len(by_step) == len(history), f"{metric}: a step logged twice"  # a replayed step is logged once
     return [by_step[s] for s in sorted(by_step)]
 
 

@@ -188,3 +188,19 @@ def test_a_setting_a_resume_changes_is_recorded_and_read_in_place_of_the_param(t
     assert (run.data.tags["git_commit"], run.data.tags["git_commit_resumed"]) == ("aaa", "bbb-dirty")  # both kept
     used = records.used_params(records.record_of_run(run))
     assert used["trainer/max_epochs"] == "4" and used["trainer/lr"] == "0.001"
+
+
+def test_a_resumed_run_logs_a_replayed_step_once(tmp_path):
+    """Killed after an epoch's validation was logged but before its checkpoint, a run replays that epoch when
+    resumed: its val/p_at_3 was logged twice at the same step."""
+    uri = f"sqlite:///{tmp_path / 'mlruns.db'}"
+    first = tracking.RunTracker(uri, "xmc_repro")
+    first.lightning_logger().log_metrics({"val/p_at_3": 4.0}, step=312)
+    resumed = tracking.RunTracker(uri, "xmc_repro", run_id=first.run_id)
+    logger = resumed.lightning_logger()
+    for step in (312, 625):  # the replayed epoch, then the next one
+        logger.log_metrics({"val/p_at_3": 4.0 if step == 312 else 7.0, "train/loss_epoch": 0.5}, step=step)
+    history = lambda key: [(m.step, m.value) for m in resumed.client.get_metric_history(first.run_id, key)]
+    assert sorted(history("val/p_at_3")) == [(312, 4.0), (625, 7.0)]
+    assert sorted(history("train/loss_epoch")) == [(312, 0.5), (625, 0.5)]  # not logged before: logged
+    resumed.finish("FINISHED")

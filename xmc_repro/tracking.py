@@ -206,6 +206,7 @@ class RunTracker:
     def __init__(self, tracking_uri: str, experiment_name: str, run_id: str | None = None, run_name: str | None = None):
         self.tracking_uri = tracking_uri
         self.closed_as: str | None = None  # the status `finish` gave the run
+        self.reopened = run_id is not None  # a resumed run: what it logged before may be logged again
         check_store(tracking_uri)
         with store_lock(tracking_uri), _quiet("mlflow.store.db.utils", "alembic"):  # schema creation chatter
             self.client = MlflowClient(tracking_uri)
@@ -288,7 +289,7 @@ class RunTracker:
             with_retries(self.client.log_batch, self.run_id, metrics=batch)
 
     def lightning_logger(self) -> MLFlowLogger:
-        return _RunOwnedMLFlowLogger(tracking_uri=self.tracking_uri, run_id=self.run_id)
+        return _RunOwnedMLFlowLogger(tracking_uri=self.tracking_uri, run_id=self.run_id, resumed=self.reopened)
 
     def finish(self, status: str = "FINISHED", message: str | None = None, tags: dict[str, str] | None = None) -> None:
         """Close the run; a FAILED run gets the one-line `message` as tag `error` (plus any `tags`)."""
@@ -375,10 +376,26 @@ def dataset_entity(dataset_cfg: DictConfig, datamodule) -> Dataset:
 
 
 class _RunOwnedMLFlowLogger(MLFlowLogger):
-    """Lightning's MLflow logger writing into a run that RunTracker opened and will close; writes retry."""
+    """Lightning's MLflow logger writing into a run that RunTracker opened and will close; writes retry. In a
+    resumed run, a metric already logged at a step is not logged again: a run killed after an epoch's validation
+    but before that epoch's checkpoint replays the epoch and would log its `val/p_at_k` twice."""
+
+    def __init__(self, *args, resumed: bool = False, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._logged_steps: dict[str, set[int]] | None = {} if resumed else None  # per metric, read once
 
     def log_metrics(self, metrics, step=None) -> None:
+        if self._logged_steps is not None and step is not None:
+            metrics = {key: value for key, value in metrics.items() if step not in self._steps_logged(key)}
+            if not metrics:
+                return
         with_retries(super().log_metrics, metrics, step)
+
+    def _steps_logged(self, key: str) -> set[int]:
+        if key not in self._logged_steps:
+            history = with_retries(self.experiment.get_metric_history, self.run_id, key)
+            self._logged_steps[key] = {metric.step for metric in history}
+        return self._logged_steps[key]
 
     def log_hyperparams(self, params) -> None:
         # RunTracker.log_config records the whole config under its Hydra keys; the module's hyperparameters
