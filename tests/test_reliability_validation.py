@@ -61,6 +61,9 @@ REFUSED = {
     # A dense model reads model.init only to compare it with "authors": a typo would train with torch's init.
     "init_unknown": (["model=dense", "model.init=keras"], "model.init='keras' is unknown; choose one of authors, fan_in"),
     "rewire_schedule_unknown": (["model.rewire_schedule=weekly"], "model.rewire_schedule='weekly' is unknown"),
+    # anything but relu built the linear bottleneck
+    "bottleneck_activation_unknown": (["model=bottleneck", "model.bottleneck_activation=tanh"],
+                                      "model.bottleneck_activation='tanh' is unknown; choose one of relu, linear"),
     "cuda_graph_word": (["trainer.cuda_graph=maybe"], "trainer.cuda_graph='maybe' must be true or false"),
     "restore_best_unknown": (["trainer.restore_best=never"], "trainer.restore_best='never' is unknown; choose one of "
                              "early_stop, always"),
@@ -119,7 +122,8 @@ ACCEPTED = [
     ["trainer.precision=bf16-mixed", "model.intermediate=16"], ["model=mach", "trainer.precision=16-mixed"],
     ["trainer.precision=bf16-true", "model=dense"],
     ["trainer.precision=bf16-mixed", "model=dense", "model.intermediate=16"],  # no sparse op
-    ["model=mach"], ["model=bottleneck"], ["model=unstructured"],
+    ["model=mach"], ["model=bottleneck"], ["model=bottleneck", "model.bottleneck_activation=linear"],
+    ["model=unstructured"],
     ["trainer.restore_best=always"], ["trainer.shuffle_buffer=null"], ["trainer.shuffle_buffer=1"],
     ["trainer.adam_eps_placement=torch"],
     ["trainer.devices=2"], ["trainer.devices=-1"], ["trainer.devices=auto"], ["trainer.devices=[0,1]"],

@@ -19,7 +19,7 @@ from xmc_repro.metrics import XMCMetrics
 from xmc_repro.resources import resource_dir
 from xmc_repro.step_graph import CaptureError, StepGraph, loss_from_positions, unsupported_reason
 from xmc_repro.optim import adam
-from xmc_repro.validation import EPS_PLACEMENTS, INITS, choice, positive_int
+from xmc_repro.validation import BOTTLENECK_ACTIVATIONS, EPS_PLACEMENTS, INITS, choice, positive_int
 
 
 class NonFiniteLossError(RuntimeError):
@@ -31,6 +31,7 @@ class Bottleneck(nn.Sequential):
 
     def __init__(self, in_features: int, num_labels: int, bottleneck: int, bottleneck_activation: str = "relu"):
         size = positive_int(bottleneck, "model.bottleneck")
+        choice(bottleneck_activation, "model.bottleneck_activation", BOTTLENECK_ACTIVATIONS)  # built without Hydra too
         if bottleneck_activation == "relu":
             super().__init__(nn.Linear(in_features, size), nn.ReLU(), nn.Linear(size, num_labels))
         else:

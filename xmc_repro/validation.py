@@ -25,6 +25,7 @@ _SPARSE_OP_HEADS = ("uniform", "mach")  # heads that run the uniform op (MACH de
 # Settings with named choices; the code that acts on them takes these tuples from here.
 INITS = ("authors", "fan_in")  # model.init: the authors' Keras initialisation, or torch's nn.Linear bounds
 REWIRE_SCHEDULES = ("authors", "multiples")  # model.rewire_schedule: after steps 1, N+1, ... or N, 2N, ...
+BOTTLENECK_ACTIVATIONS = ("relu", "linear")  # model.bottleneck_activation: the authors' Dense(64, relu), or none
 RESTORE_BEST = ("early_stop", "always")  # trainer.restore_best: when the best epoch's weights are tested
 EPS_PLACEMENTS = ("keras", "torch")  # trainer.adam_eps_placement: Adam's epsilon before or after the bias correction
 # The value a run's stored config implies when it predates the setting: how that run trained (and resumes).
@@ -239,6 +240,8 @@ def _model(cfg: DictConfig) -> None:
     number(cfg, "model.rewire_fraction", low=0, high=1, high_open=True)
     choice(m.get("init", "authors"), "model.init", INITS)
     choice(m.get("rewire_schedule", "authors"), "model.rewire_schedule", REWIRE_SCHEDULES)
+    if m.get("head") == "bottleneck":
+        choice(m.get("bottleneck_activation", "relu"), "model.bottleneck_activation", BOTTLENECK_ACTIVATIONS)
     # Sizes a head's config sets (conf/model/<head>.yaml), checked before anything loads; one left null fails
     # when the head is built, with the same message.
     for key, example in (("connectivity", 32), ("bottleneck", 64), ("mach.num_hashes", 8), ("mach.num_buckets", 1024)):
