@@ -367,10 +367,11 @@ def _fit_and_test(cfg, tracker, checkpoint_dir: Path, resume_from: Path | None, 
     if tracker is None:  # checkpoints (rank 0 writes them; the folder is rank 0's) and logging are rank 0's
         trainer.fit(model, datamodule=dm, ckpt_path=resume_from)
         return {}
+    ran_on = device_name(device)  # before fit: DDP on the CPU changes torch's thread count
     tracker.set_tags(
         {
             "sparse_backend": backend(device) if cfg.model.head in ("uniform", "mach") else "none",
-            "device": device_name(device),
+            "device": ran_on,
             "world_size": trainer.world_size,
         }
     )
@@ -411,6 +412,6 @@ def _fit_and_test(cfg, tracker, checkpoint_dir: Path, resume_from: Path | None, 
     tracker.finish("FINISHED")
     results["run_id"] = tracker.run_id
     results["ui"] = tracker.browse_hint()
-    results["device"] = device_name(device)
+    results["device"] = ran_on
     results["tested_weights"] = tested_weights
     return results
