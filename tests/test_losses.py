@@ -77,6 +77,52 @@ def test_labels_outside_the_scores_are_refused(name, label):
         build_loss(name)(scores, ptr, idx)
 
 
+@pytest.mark.parametrize("name", ["squared_hinge", "bce"])
+@pytest.mark.parametrize("ptr, message", [
+    ([0, 1, 2], "label_ptr must hold 4 offsets"),  # a row short: it was read as a row without labels
+    ([0, 1, 2, 4], "to len\\(label_idx\\)=3"),  # past the end: torch's "allocated size does not match"
+    ([0, 2, 1, 3], "label_ptr must not decrease"),
+])  # fmt: skip
+def test_label_lists_that_do_not_describe_the_scores_rows_are_refused(name, ptr, message):
+    with pytest.raises(ValueError, match=message):
+        build_loss(name)(torch.zeros(3, 6), torch.tensor(ptr), torch.tensor([2, 3, 5]))
+
+
+@pytest.mark.parametrize("name", ["squared_hinge", "bce", "squared_hinge_reference"])
+def test_loss_values_of_large_scores_do_not_cancel_away(name):
+    """Every entry is summed as a negative and the positives corrected after: in float32 sums, positives at +300
+    (squared hinge: (s + 1)^2 taken off again) or +1e4 (BCE: softplus(s) ~ s) drowned the loss's other terms."""
+    from xmc_repro.losses import flat_keys
+    from xmc_repro.sparse import reference
+
+    big = 1e4 if name == "bce" else 300.3
+    scores = torch.full((64, 16), -big)
+    scores[:, :4] = big
+    scores[:, 4] = 0.5  # the entries with a loss
+    ptr, idx = torch.arange(0, 257, 4), torch.arange(4).repeat(64)
+    want = formula(name.removesuffix("_reference"), scores.double(), dense_targets(ptr, idx, 16, dtype=torch.float64))
+    if name == "squared_hinge_reference":  # the pure-torch backend, as XMC_SPARSE_BACKEND=reference runs it
+        loss = reference.squared_hinge(scores, flat_keys(ptr, idx, 16))[0]
+    else:
+        loss = build_loss(name)(scores, ptr, idx)
+    assert loss.dtype == torch.float32
+    torch.testing.assert_close(loss.double(), want, rtol=1e-6, atol=0)
+
+
+def test_float16_hinge_gradients_survive_until_scaled():
+    """Under 16-mixed a GradScaler multiplies the loss by 65536; the fused op stored its float16 gradient, about 1e-7
+    an entry at 670k labels, before that factor reached it: most entries flushed to float16's subnormals or zero."""
+    scores = (torch.randn(4, 200_000, generator=generator(1)) * 0.5).half().requires_grad_()
+    ptr, idx = torch.tensor([0, 2, 3, 5, 6]), torch.tensor([1, 7, 3, 0, 9, 4])
+    (build_loss("squared_hinge")(scores, ptr, idx) * 65536.0).backward()
+    y = dense_targets(ptr, idx, 200_000, dtype=torch.float64)
+    s64 = scores.detach().double().requires_grad_()
+    (formula("squared_hinge", s64, y) * 65536.0).backward()
+    got, want = scores.grad.double(), s64.grad
+    assert scores.grad.dtype == torch.float16
+    assert (got - want).abs().sum() / want.abs().sum() < 1e-3  # float16 rounding of the scaled values only
+
+
 def test_loss_log_on_the_cpu_reports_at_once_and_keeps_the_epochs_weighted_mean():
     log = TrainingLossLog(every=10)
     assert log.epoch_mean is None

@@ -23,11 +23,21 @@ from xmc_repro.data.labels import flat_keys
 _CHUNK = 1 << 22  # elements per slice when summing the all-negative part (caps the temporary)
 
 
-def check_labels(label_idx: torch.Tensor, num_labels: int) -> None:
-    """Every label must lie in [0, num_labels): one outside would mark an entry of a neighbouring row. Checked where
-    the labels are on the host; on a GPU the check would make the step wait for the device (the pipeline's readers
-    check their files)."""
-    if label_idx.device.type != "cpu" or not label_idx.numel() or torch.compiler.is_compiling():
+def check_labels(label_ptr: torch.Tensor, label_idx: torch.Tensor, scores_shape) -> None:
+    """The CSR lists must describe the scores' rows, and every label lie in [0, labels): one outside would mark an
+    entry of a neighbouring row. Checked where the lists are on the host; on a GPU the check would make the step
+    wait for the device (the pipeline's readers check their files)."""
+    if label_idx.device.type != "cpu" or label_ptr.device.type != "cpu" or torch.compiler.is_compiling():
+        return
+    rows, num_labels = scores_shape
+    if label_ptr.dim() != 1 or len(label_ptr) != rows + 1 or label_ptr[0] != 0 or label_ptr[-1] != len(label_idx):
+        raise ValueError(f"label_ptr must hold {rows + 1} offsets (one per row of the scores, and one past the end) "
+                         f"from 0 to len(label_idx)={len(label_idx)}; got {len(label_ptr)} from "
+                         f"{label_ptr[0].item() if len(label_ptr) else '-'} to "
+                         f"{label_ptr[-1].item() if len(label_ptr) else '-'}")  # fmt: skip
+    if (label_ptr[1:] < label_ptr[:-1]).any():
+        raise ValueError("label_ptr must not decrease: row i's labels are label_idx[label_ptr[i]:label_ptr[i + 1]]")
+    if not label_idx.numel():
         return
     lo, hi = int(label_idx.min()), int(label_idx.max())
     if lo < 0 or hi >= num_labels:
@@ -40,7 +50,6 @@ def positive_positions(label_ptr: torch.Tensor, label_idx: torch.Tensor, num_lab
     A label listed twice for one row appears twice (``first_occurrences`` marks one of them). Every size here
     is known on the host, so nothing waits for the device (``torch.unique`` would: its length is data).
     """
-    check_labels(label_idx, num_labels)
     return torch.sort(flat_keys(label_ptr, label_idx.to(device), num_labels)).values
 
 
@@ -55,6 +64,7 @@ def dense_targets(label_ptr, label_idx, num_labels: int, device=None, dtype=torc
     """The (batch, labels) 0/1 target on ``device``, built from the CSR lists (for reference and small cases)."""
     device = label_idx.device if device is None else device
     b = len(label_ptr) - 1
+    check_labels(label_ptr, label_idx, (b, num_labels))
     y = torch.zeros(b * num_labels, dtype=dtype, device=device)
     y[positive_positions(label_ptr, label_idx, num_labels, device)] = 1
     return y.view(b, num_labels)
@@ -66,12 +76,12 @@ def _acc(scores: torch.Tensor) -> torch.dtype:
 
 
 def _rowwise_sum(scores: torch.Tensor, fn) -> torch.Tensor:
-    """sum(fn(scores)), slice by slice of rows, in the accumulation dtype."""
+    """sum(fn(scores)), slice by slice of rows, computed in the accumulation dtype and summed in float64."""
     b, n = scores.shape
     step = max(1, _CHUNK // max(n, 1))
-    total = torch.zeros((), dtype=_acc(scores), device=scores.device)
+    total = torch.zeros((), dtype=torch.float64, device=scores.device)
     for lo in range(0, b, step):
-        total = total + fn(scores[lo : lo + step].to(_acc(scores))).sum()
+        total = total + fn(scores[lo : lo + step].to(_acc(scores))).sum(dtype=torch.float64)
     return total
 
 
@@ -87,8 +97,10 @@ class _SquaredHinge(torch.autograd.Function):
         # bf16/fp16 scores (a dense head under autocast) are computed in float32.
         work = scores if scores.dtype in (torch.float32, torch.float64) else scores.float()
         loss, grad = torch.ops.xmc_sparse.squared_hinge(work, positives)
-        ctx.save_for_backward(grad.to(scores.dtype))
-        ctx.root = root
+        # float16 gradients stay float32 until scaled: entries of 2/(B*L) relu(.), ~1e-7 at 670k labels, would
+        # round to float16's subnormals before a GradScaler's factor (the incoming gradient) reached them.
+        ctx.save_for_backward(grad if scores.dtype == torch.float16 else grad.to(scores.dtype))
+        ctx.root, ctx.dtype = root, scores.dtype
         return loss
 
     @staticmethod
@@ -96,19 +108,20 @@ class _SquaredHinge(torch.autograd.Function):
     def backward(ctx, grad_out):
         (grad,) = ctx.saved_tensors
         if ctx.root:  # the caller backpropagates the loss itself: the incoming gradient is 1
-            return grad, None, None
+            return grad.to(ctx.dtype), None, None
         # Scaled in place: the saved gradient has no other reader, so no second (B, L) tensor is
         # allocated. A second backward through a retained graph fails autograd's version check.
-        return grad.mul_(grad_out), None, None
+        return grad.mul_(grad_out).to(ctx.dtype), None, None
 
 
 class _BCE(torch.autograd.Function):
     @staticmethod
     def forward(ctx, scores, positives):
-        s_pos = scores.reshape(-1)[positives].to(_acc(scores))
+        s_pos = scores.reshape(-1)[positives].to(torch.float64)
+        # In float64: a well-classified positive's softplus(s) ~ s is summed with the rest, then s taken off again.
         total = _rowwise_sum(scores, F.softplus) - s_pos.where(first_occurrences(positives), 0).sum()
         ctx.save_for_backward(scores, positives)
-        return total / scores.numel()
+        return (total / scores.numel()).to(_acc(scores))
 
     @staticmethod
     def backward(ctx, grad_out):
@@ -134,7 +147,7 @@ def squared_hinge_from_positions(scores: torch.Tensor, positives: torch.Tensor, 
 
 def squared_hinge_loss(scores: torch.Tensor, label_ptr: torch.Tensor, label_idx: torch.Tensor) -> torch.Tensor:
     """mean over batch and labels of ``relu(1 - (2y - 1) s)^2``; scores (B, L), labels as CSR lists."""
-    check_labels(label_idx, scores.shape[1])
+    check_labels(label_ptr, label_idx, scores.shape)
     # The fused op needs neither sorted nor distinct positions: the unsorted keys spare a sort.
     positives = flat_keys(label_ptr, label_idx.to(scores.device), scores.shape[1])
     return squared_hinge_from_positions(scores, positives)
@@ -147,6 +160,7 @@ def bce_from_positions(scores: torch.Tensor, positives: torch.Tensor) -> torch.T
 
 def bce_loss(scores: torch.Tensor, label_ptr: torch.Tensor, label_idx: torch.Tensor) -> torch.Tensor:
     """mean over batch and labels of binary cross-entropy with logits; scores (B, L), labels as CSR lists."""
+    check_labels(label_ptr, label_idx, scores.shape)
     return bce_from_positions(scores, positive_positions(label_ptr, label_idx, scores.shape[1], scores.device))
 
 

@@ -72,10 +72,12 @@ def squared_hinge(scores: torch.Tensor, positives: torch.Tensor) -> tuple[torch.
     if n == 0:
         return torch.full((), float("nan"), dtype=scores.dtype, device=scores.device), grad
     flat, gflat = scores.reshape(-1), grad.view(-1)
-    total = torch.zeros((), dtype=scores.dtype, device=scores.device)
+    # Summed in float64, as the CPU kernel does: every positive is first summed as a negative, (s + 1)^2, and
+    # taken off again, which in float32 cancels away the loss of large scores.
+    total = torch.zeros((), dtype=torch.float64, device=scores.device)
     for lo in range(0, n, _CHUNK_ELEMENTS):
         h = (flat[lo : lo + _CHUNK_ELEMENTS] + 1).clamp_(min=0)
-        total += h.square().sum()
+        total += h.double().square().sum()
         torch.mul(h, 2.0 / n, out=gflat[lo : lo + _CHUNK_ELEMENTS])
     p = torch.sort(positives).values  # padding first; a repeat follows its first occurrence
     keep = p >= 0
@@ -83,9 +85,9 @@ def squared_hinge(scores: torch.Tensor, positives: torch.Tensor) -> tuple[torch.
     q = p.clamp(min=0)  # padding reads entry 0 and writes nothing there (below)
     s = flat[q]
     hinge, neg = (1 - s).clamp(min=0), (1 + s).clamp(min=0)
-    total += (hinge.square() - neg.square()).where(keep, 0).sum()
+    total += (hinge.double().square() - neg.double().square()).where(keep, 0).sum()
     # The positive gradient is <= 0 <= the negative one already written, so a minimum puts it in place,
     # whatever the order of repeated writes; padding offers +inf, which leaves its entry as it is.
     value = (hinge * (-2.0 / n)).where(p >= 0, float("inf"))
     gflat.scatter_reduce_(0, q, value, "amin")
-    return total / n, grad
+    return (total / n).to(scores.dtype), grad
