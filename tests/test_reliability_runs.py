@@ -224,3 +224,23 @@ def test_runs_of_sweep_jobs_killed_by_their_launcher_are_closed_by_the_sweep(tmp
     assert status[killed_early.run_id].data.tags["error"] == "interrupted (Ctrl+C); no checkpoint yet"
     assert status[alive.run_id].info.status == "RUNNING"  # its job closes it
     alive.finish("FAILED", "closed by its job")
+
+
+def test_ddp_lines_name_another_ranks_stop_and_the_rank_that_prints(tmp_path, monkeypatch):
+    """Rank 1 stopping (a NaN on its share, a kill) failed rank 0's collective with gloo's traceback as the run's
+    reason; rank 1's own lines read like rank 0's ('SIGTERM before the MLflow run was opened')."""
+    from xmc_repro.__main__ import _explained, _rank_prefix
+    from xmc_repro.train import failure_message
+
+    gone = RuntimeError("[gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:1937. This is ...")
+    (tmp_path / "last.ckpt").write_bytes(b"")
+    assert _explained(gone)
+    assert failure_message(gone, "r1", tmp_path / "last.ckpt") == (
+        "another DDP rank stopped (its own error line says why: RuntimeError in a collective); continue the run "
+        "with resume=r1")
+    assert not _explained(RuntimeError("something else"))
+    for key in ("RANK", "LOCAL_RANK", "SLURM_PROCID", "NODE_RANK", "SLURM_NTASKS"):
+        monkeypatch.delenv(key, raising=False)
+    assert _rank_prefix() == ""
+    monkeypatch.setenv("LOCAL_RANK", "1")  # as Lightning's ddp launcher starts rank 1
+    assert _rank_prefix() == "rank 1: "

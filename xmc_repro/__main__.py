@@ -12,6 +12,7 @@ import functools
 import os
 import sys
 import traceback
+import uuid
 from pathlib import Path
 
 import hydra
@@ -103,21 +104,23 @@ def _task(cfg: DictConfig):
         if job is None:
             if not known:
                 raise  # a bug: Hydra prints the traceback
-            print(f"error: {message}", file=sys.stderr)
+            print(f"error: {_rank_prefix()}{message}", file=sys.stderr)
             sys.exit(2 if isinstance(error, UserError) else 1)
         if not known:
             traceback.print_exc()  # a bug in one job: its traceback, and the sweep goes on
-        print(f"error: job {job}: {message}", file=sys.stderr)
+        print(f"error: {_rank_prefix()}job {job}: {message}", file=sys.stderr)
         _record_failure(f"{job}: {message}")
         return None
     except (KeyboardInterrupt, SystemExit) as error:  # Ctrl+C or SIGTERM: the run is FAILED; stop (a sweep too)
+        prefix = _rank_prefix()
         if type(error).__name__ == "SIGTERMException" and not hasattr(error, "run_failure"):  # a code-less exit
-            error.run_failure = "SIGTERM before the MLflow run was opened; nothing was recorded"
+            error.run_failure = ("interrupted (SIGTERM); rank 0 records the run" if prefix else
+                                 "SIGTERM before the MLflow run was opened; nothing was recorded")  # fmt: skip
         if full_errors() or not hasattr(error, "run_failure"):
             raise
         from xmc_repro.train import interruption
 
-        print(f"error: {error.run_failure}", file=sys.stderr)
+        print(f"error: {prefix}{error.run_failure}", file=sys.stderr)
         code = getattr(error, "code", None)
         fallback = code if isinstance(code, int) and code else 1
         sys.exit({"SIGTERM": 143, "Ctrl+C": 130}.get(interruption(error), fallback))
@@ -135,13 +138,25 @@ def _failure_message(error: BaseException) -> str:
 
 
 def _explained(error: BaseException) -> bool:
-    """Failures whose cause one line explains: bad settings or input, a non-finite loss, out of memory."""
+    """Failures whose cause one line explains: bad settings or input, a non-finite loss, out of memory, another
+    DDP rank stopping."""
     import torch
 
+    from xmc_repro.distributed import another_rank_stopped
     from xmc_repro.model import NonFiniteLossError
 
     oom = getattr(torch, "OutOfMemoryError", torch.cuda.OutOfMemoryError)
-    return isinstance(error, (UserError, NonFiniteLossError, oom))
+    return isinstance(error, (UserError, NonFiniteLossError, oom)) or another_rank_stopped(error)
+
+
+def _rank_prefix() -> str:
+    """`rank N: ` in a DDP rank other than 0, whose lines repeat or precede rank 0's (which records the run)."""
+    if not any(key in os.environ for key in ("RANK", "LOCAL_RANK", "SLURM_PROCID")):
+        return ""  # no launcher ranked this process (and torch need not load to say so)
+    from xmc_repro.distributed import launch_rank
+
+    rank = launch_rank()
+    return f"rank {rank}: " if rank else ""
 
 
 def _record_failure(line: str) -> None:
@@ -209,8 +224,9 @@ def main() -> None:
         return
     from xmc_repro.cli import STARTED_RUNS_ENV
 
-    failures = Path.cwd() / "multirun" / f".failures-{os.getpid()}.txt"
-    started = failures.with_name(f".runs-{os.getpid()}.txt")
+    sweep = f"{os.getpid()}-{uuid.uuid4().hex[:8]}"  # a pid alone is reused, and a killed sweep leaves its files
+    failures = Path.cwd() / "multirun" / f".failures-{sweep}.txt"
+    started = failures.with_name(f".runs-{sweep}.txt")
     os.environ[FAILURES_ENV] = str(failures)  # jobs in other processes inherit it
     os.environ[STARTED_RUNS_ENV] = str(started)
     try:

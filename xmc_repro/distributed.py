@@ -21,6 +21,16 @@ import torch
 _RELAUNCHING = ("ddp", "popen")
 
 
+# How gloo and NCCL report that the process on the other side of a collective has gone (crashed, killed, stopped).
+_PEER_GONE = ("Connection closed by peer", "Connection reset by peer", "remote process exited",
+              "NCCL communicator was aborted")  # fmt: skip
+
+
+def another_rank_stopped(error: BaseException) -> bool:
+    """Whether `error` is a collective failing because another DDP rank stopped: that rank's line says why."""
+    return isinstance(error, RuntimeError) and any(text in str(error) for text in _PEER_GONE)
+
+
 class RankDivergenceError(RuntimeError):
     """Ranks of one DDP run hold different values where they must be identical."""
 

@@ -26,7 +26,7 @@ from xmc_repro.callbacks import MemoryPeakReport, StepProfile
 from xmc_repro.console import EpochLine, ProgressBar
 from xmc_repro.data import build_datamodule
 from xmc_repro.describe import run_name
-from xmc_repro.distributed import launch_problem, launch_rank
+from xmc_repro.distributed import another_rank_stopped, launch_problem, launch_rank
 from xmc_repro.errors import ConfigError, StorageError, UserError
 from xmc_repro.metrics import inverse_propensity
 from xmc_repro.model import NonFiniteLossError, XMCClassifier, instantiate_with
@@ -76,6 +76,9 @@ def failure_message(error: BaseException, run_id: str | None = None, last_checkp
         text = f"interrupted ({interruption(error)})"
         if kept and run_id:
             text += f"; continue it with resume={run_id}"
+    elif another_rank_stopped(error):
+        text = (f"another DDP rank stopped (its own error line says why: {type(error).__name__} in a collective); "
+                + (f"continue the run with resume={run_id}" if kept and run_id else "no checkpoint yet"))
     elif isinstance(error, getattr(torch, "OutOfMemoryError", torch.cuda.OutOfMemoryError)):
         text = (
             "out of GPU memory; lower trainer.batch_size and trainer.eval_batch_size (scores are batch x labels), "
