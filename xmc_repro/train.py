@@ -290,8 +290,9 @@ def _run_and_record(cfg: DictConfig, resume_from: Path | None, run_id: str | Non
         )
         return _fit_and_test(cfg, tracker, checkpoint_dir, resume_from, progress)
     except BaseException as error:  # KeyboardInterrupt included: the run must not stay RUNNING
-        if tracker.closed_as == "FINISHED":  # a signal after the run was recorded: it stays FINISHED
-            error.run_failure = f"{interruption(error)} after run {tracker.run_id} had FINISHED; its results are recorded"
+        if tracker.closed_as == "FINISHED":  # e.g. a signal after the run was recorded: it stays FINISHED
+            stopped = failure_message(error).split(";")[0]
+            error.run_failure = f"{stopped} after run {tracker.run_id} had FINISHED; its results are recorded"
             raise
         trainer = progress.get("trainer")
         tags = {"failed_at_step": trainer.global_step} if trainer is not None else {}
