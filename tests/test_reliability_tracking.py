@@ -6,7 +6,7 @@ import sqlite3
 
 import pytest
 
-from test_reliability_common import TINY, runs, start
+from test_reliability_common import TINY, copy_store, make_store, runs, start
 from xmc_repro import tracking
 
 
@@ -167,13 +167,14 @@ def test_a_sqlite_store_that_is_a_folder_is_refused_at_once(tmp_path):
     tracking.check_store("sqlite:///:memory:")
 
 
-def test_a_setting_a_resume_changes_is_recorded_and_read_in_place_of_the_param(tmp_path):
+def test_a_setting_a_resume_changes_is_recorded_and_read_in_place_of_the_param(tmp_path, tmp_path_factory):
     """MLflow keeps a param's first value: a run resumed with more epochs still said trainer/max_epochs=2. The code
     a run was resumed with was recorded over the one it started with."""
     from omegaconf import OmegaConf
 
     from xmc_repro.report import records
 
+    copy_store(make_store(tmp_path_factory.getbasetemp() / "store"), tmp_path)  # its schema takes seconds
     uri = f"sqlite:///{tmp_path / 'mlruns.db'}"
     config = {"trainer": {"max_epochs": 2, "lr": 0.001}, "resume": None, "table": "t", "scale": "s"}
     first = tracking.RunTracker(uri, "xmc_repro")
@@ -190,9 +191,10 @@ def test_a_setting_a_resume_changes_is_recorded_and_read_in_place_of_the_param(t
     assert used["trainer/max_epochs"] == "4" and used["trainer/lr"] == "0.001"
 
 
-def test_a_resumed_run_logs_a_replayed_step_once(tmp_path):
+def test_a_resumed_run_logs_a_replayed_step_once(tmp_path, tmp_path_factory):
     """Killed after an epoch's validation was logged but before its checkpoint, a run replays that epoch when
     resumed: its val/p_at_3 was logged twice at the same step."""
+    copy_store(make_store(tmp_path_factory.getbasetemp() / "store"), tmp_path)
     uri = f"sqlite:///{tmp_path / 'mlruns.db'}"
     first = tracking.RunTracker(uri, "xmc_repro")
     first.lightning_logger().log_metrics({"val/p_at_3": 4.0}, step=312)
