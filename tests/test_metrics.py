@@ -82,7 +82,8 @@ def test_edge_cases():
 
 def test_scores_of_another_width_and_rank_0_are_refused():
     # Row 0's label 7 of 10 would be row 1's label 2 among 5 columns: a phantom hit (P@1 50 instead of 0).
-    scores, ptr, idx = torch.tensor([[1.0, 0, 0, 0, 0], [0, 0, 1.0, 0, 0]]), torch.tensor([0, 1, 2]), torch.tensor([7, 0])
+    scores = torch.tensor([[1.0, 0, 0, 0, 0], [0, 0, 1.0, 0, 0]])
+    ptr, idx = torch.tensor([0, 1, 2]), torch.tensor([7, 0])
     with pytest.raises(ValueError, match="scores have 5 columns but the metrics count 10 labels"):
         XMCMetrics(10).update(scores, ptr, idx)
     with pytest.raises(ValueError, match="every k must be a rank >= 1"):

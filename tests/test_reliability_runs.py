@@ -178,7 +178,7 @@ main()
 @pytest.mark.parametrize("where, status, line", [
     ("opening", "FAILED", "interrupted (SIGTERM)"),  # exit 0, nothing said, and the run RUNNING for good
     ("train_end", "FAILED", "interrupted (SIGTERM)"),  # flagged by Lightning, then ignored: FINISHED, exit 0
-    ("finished", "FINISHED", "interrupted (SIGTERM) after run "),  # was turned into FAILED, its results left out of the tables
+    ("finished", "FINISHED", "interrupted (SIGTERM) after run "),  # was turned into FAILED, left out of the tables
 ])  # fmt: skip
 def test_a_sigterm_anywhere_in_the_run_ends_it_in_one_line_with_exit_143(tmp_path, where, status, line):
     from test_reliability_common import _USED, tracking_uri

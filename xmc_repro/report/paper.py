@@ -33,7 +33,8 @@ NUMERIC = ("test_p1", "test_p3", "test_p5", "train_p1", "train_p3", "train_p5", 
 
 
 def load(path: Path = PAPER_CSV) -> list[dict[str, str]]:
-    return read_rows(path, COLUMNS + NUMERIC, NUMERIC, f"fix it or restore the project's copy, `git checkout -- {path}`")
+    remedy = f"fix it or restore the project's copy, `git checkout -- {path}`"
+    return read_rows(path, COLUMNS + NUMERIC, NUMERIC, remedy)
 
 
 def row_key(row: dict) -> tuple[str, ...]:
