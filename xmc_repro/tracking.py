@@ -35,6 +35,7 @@ from mlflow.tracking import MlflowClient
 from omegaconf import DictConfig, OmegaConf
 
 from xmc_repro.errors import ConfigError
+from xmc_repro.report.records import RESUMED_PREFIX
 
 try:
     import fcntl
@@ -49,7 +50,6 @@ _CONTENTION = ("database is locked", "database table is locked", "database schem
                "unique constraint failed: datasets.")
 _jitter = random.Random()  # its own generator: retries must not move the global RNG that training uses
 TAG_KEYS = ("table", "scale")  # config keys recorded as tags (what the report filters on), not as params
-RESUMED_PREFIX = "resumed/"  # tag of a setting that a resume changed: `resumed/trainer/max_epochs`
 
 
 def is_setting(key: str) -> bool:

@@ -19,6 +19,7 @@ PROJECT_ROOT = Path(__file__).resolve().parents[2]
 RECORDS_DIR = Path("results") / "records"
 DEFAULT_TRACKING_URI = "sqlite:///mlruns.db"  # as conf/logger/mlflow.yaml: relative to the working directory
 REQUIRED = ("run_id", "status", "params", "metrics", "tags")
+RESUMED_PREFIX = "resumed/"  # tag of a setting that a resume changed: `resumed/trainer/max_epochs`
 
 
 def iso_time(milliseconds: int | None) -> str:
@@ -47,8 +48,8 @@ def record_of_run(run) -> dict:
 def used_params(record: dict) -> dict:
     """The settings a run trained with: its params, with those a resume changed (tags `resumed/<key>`, see
     `tracking.RunTracker.log_config`) in place of the values it started with."""
-    prefix = "resumed/"
-    changed = {key[len(prefix) :]: value for key, value in record["tags"].items() if key.startswith(prefix)}
+    changed = {key[len(RESUMED_PREFIX) :]: value for key, value in record["tags"].items()
+               if key.startswith(RESUMED_PREFIX)}  # fmt: skip
     return {**record["params"], **changed}
 
 

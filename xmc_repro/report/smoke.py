@@ -16,7 +16,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from xmc_repro.errors import DataError
+from xmc_repro.errors import ConfigError, DataError
 from xmc_repro.report.grid import TABLES, conf_dir, job_overrides
 from xmc_repro.report.records import PROJECT_ROOT, tracking_uri
 
@@ -81,7 +81,6 @@ STORE_SCHEMES = ("sqlite", "http", "https", "postgresql", "mysql", "mssql", "dat
 
 def check_store(uri: str) -> None:
     """A store the sweep's jobs can write to, or one line saying what to give instead."""
-    from xmc_repro.errors import ConfigError
     from xmc_repro import tracking
 
     scheme = uri.split("://", 1)[0].split("+", 1)[0] if "://" in uri else ""
