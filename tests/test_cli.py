@@ -136,3 +136,26 @@ def test_the_progress_bar_redraws_at_most_ten_times_a_second_and_at_an_epochs_en
     for batch_idx in range(7):
         bar.on_train_batch_end(trainer, None, None, None, batch_idx)
     assert drawn == [0, 3, 6]  # the first batch, 0.12 s later, and the last batch
+
+
+def test_two_sweeps_started_in_one_second_get_folders_of_their_own(tmp_path):
+    """Two sweeps started together (the README's split of table 1 over two GPUs) must not share a folder,
+    where Hydra's files of one job would overwrite the other's, nor a `sweep_id`."""
+    import re
+    import subprocess
+
+    from test_reliability_common import cli_env, command
+
+    def folders_of_two_started_together() -> list[list[str]]:
+        started = [subprocess.Popen(command(tmp_path, ["--cfg", "hydra", "--resolve"]), cwd=tmp_path, env=cli_env(),
+                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(2)]
+        printed = [process.communicate(timeout=120)[0] for process in started]
+        return [sorted(line.split()[1] for line in text.splitlines() if line.strip().startswith("dir: "))
+                for text in printed]
+
+    for _ in range(4):  # until both start within one second, as a shell's `&` usually does
+        first, second = folders_of_two_started_together()
+        assert len(first) == len(second) == 2, (first, second)  # the run's folder and the sweep's
+        if [re.sub(r"-\d{6}$", "", d) for d in first] == [re.sub(r"-\d{6}$", "", d) for d in second]:
+            break
+    assert not set(first) & set(second), (first, second)

@@ -136,6 +136,15 @@ def test_non_finite_loss_fails_the_run_and_keeps_the_last_good_checkpoint(tmp_pa
     assert all(torch.isfinite(v).all() for v in checkpoint["state_dict"].values())
 
 
+def test_the_sweep_summary_counts_the_jobs_that_failed():
+    from xmc_repro.__main__ import _sweep_summary
+
+    assert _sweep_summary(["ok", "ok"]) is None
+    assert _sweep_summary(["ok", "failed #1 (a=1): broke"]) == "sweep finished; 1 of 2 jobs failed: #1 (a=1): broke"
+    assert _sweep_summary(["failed #0 (a=0): x", "failed #1 (a=1): y"]) == (
+        "sweep finished; all 2 jobs failed: #0 (a=0): x; #1 (a=1): y")
+
+
 def test_failed_job_does_not_stop_its_sweep(tmp_path, store):
     copy_store(store, tmp_path)
     result = cli(tmp_path, [*TINY, "trainer.max_epochs=1", "model.connectivity=8,100,4"], multirun=True)
@@ -144,8 +153,8 @@ def test_failed_job_does_not_stop_its_sweep(tmp_path, store):
     assert "Traceback" not in result.stderr, result.stderr[-2000:]
     assert len(errors) == 2, errors
     assert errors[0].startswith("error: job #1 (") and "model.connectivity=100 exceeds" in errors[0]
-    assert errors[1].startswith("error: sweep finished; 1 job(s) failed, the others ran: #1 (")
+    assert errors[1].startswith("error: sweep finished; 1 of 3 jobs failed: #1 (")
     by_connectivity = {r.data.params["model/connectivity"]: r for r in runs(tmp_path)}
     assert {k: r.info.status for k, r in by_connectivity.items()} == {"8": "FINISHED", "100": "FAILED", "4": "FINISHED"}
     assert "exceeds" in by_connectivity["100"].data.tags["error"]
-    assert not list(tmp_path.glob("multirun/.failures-*"))
+    assert not list(tmp_path.glob("multirun/.outcomes-*"))

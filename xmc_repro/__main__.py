@@ -21,9 +21,10 @@ from omegaconf import DictConfig
 from xmc_repro.errors import ConfigError, UserError
 from xmc_repro.resources import resource_dir
 
-# Jobs of a sweep may run in other processes (joblib, submitit launchers): each failed job appends a line to
-# this file, which the sweep's own process reads at the end.
-FAILURES_ENV = "XMC_SWEEP_FAILURES"
+# Jobs of a sweep may run in other processes (joblib, submitit launchers): each job that ends appends a line to
+# this file (`ok`, or `failed ` and its failure), which the sweep's own process reads at the end.
+OUTCOMES_ENV = "XMC_SWEEP_OUTCOMES"
+FAILED = "failed "
 
 
 def full_errors() -> bool:
@@ -109,7 +110,7 @@ def _task(cfg: DictConfig):
         if not known:
             traceback.print_exc()  # a bug in one job: its traceback, and the sweep goes on
         print(f"error: {_rank_prefix()}job {job}: {message}", file=sys.stderr)
-        _record_failure(f"{job}: {message}")
+        _record_outcome(f"{FAILED}{job}: {message}")
         return None
     except (KeyboardInterrupt, SystemExit) as error:  # Ctrl+C or SIGTERM: the run is FAILED; stop (a sweep too)
         prefix = _rank_prefix()
@@ -124,6 +125,8 @@ def _task(cfg: DictConfig):
         code = getattr(error, "code", None)
         fallback = code if isinstance(code, int) and code else 1
         sys.exit({"SIGTERM": 143, "Ctrl+C": 130}.get(interruption(error), fallback))
+    if _sweep_job() is not None:
+        _record_outcome("ok")
     if results:  # empty on DDP ranks other than 0, which record and report nothing
         print_summary(results["config"], results)
     return results
@@ -159,12 +162,21 @@ def _rank_prefix() -> str:
     return f"rank {rank}: " if rank else ""
 
 
-def _record_failure(line: str) -> None:
-    path = os.environ.get(FAILURES_ENV)
+def _record_outcome(line: str) -> None:
+    path = os.environ.get(OUTCOMES_ENV)
     if path:
         Path(path).parent.mkdir(parents=True, exist_ok=True)
-        with open(path, "a", encoding="utf-8") as handle:  # one short append per failure
+        with open(path, "a", encoding="utf-8") as handle:  # one short append per job
             handle.write(" ".join(line.split()) + "\n")
+
+
+def _sweep_summary(outcomes: list[str]) -> str | None:
+    """The sweep's last line when a job failed: how many of how many, and each failure."""
+    failures = [line.removeprefix(FAILED) for line in outcomes if line.startswith(FAILED)]
+    if not failures:
+        return None
+    failed = f"all {len(outcomes)}" if len(failures) == len(outcomes) else f"{len(failures)} of {len(outcomes)}"
+    return f"sweep finished; {failed} jobs failed: {'; '.join(failures)}"
 
 
 def _one_line_hydra_errors() -> None:
@@ -219,15 +231,15 @@ def main() -> None:
         print(help_text(), end="")
         return
     _one_line_hydra_errors()
-    if os.environ.get(FAILURES_ENV):  # started by a sweep's own process (a launcher's job): that one reports
+    if os.environ.get(OUTCOMES_ENV):  # started by a sweep's own process (a launcher's job): that one reports
         _task()
         return
     from xmc_repro.cli import STARTED_RUNS_ENV
 
     sweep = f"{os.getpid()}-{uuid.uuid4().hex[:8]}"  # a pid alone is reused, and a killed sweep leaves its files
-    failures = Path.cwd() / "multirun" / f".failures-{sweep}.txt"
-    started = failures.with_name(f".runs-{sweep}.txt")
-    os.environ[FAILURES_ENV] = str(failures)  # jobs in other processes inherit it
+    outcomes = Path.cwd() / "multirun" / f".outcomes-{sweep}.txt"
+    started = outcomes.with_name(f".runs-{sweep}.txt")
+    os.environ[OUTCOMES_ENV] = str(outcomes)  # jobs in other processes inherit it
     os.environ[STARTED_RUNS_ENV] = str(started)
     try:
         _task()
@@ -242,14 +254,13 @@ def main() -> None:
         print(f"error: interrupted (Ctrl+C){closing}", file=sys.stderr)
         sys.exit(130)
     finally:
-        lines = failures.read_text(encoding="utf-8").splitlines() if failures.is_file() else []
-        failures.unlink(missing_ok=True)
+        lines = outcomes.read_text(encoding="utf-8").splitlines() if outcomes.is_file() else []
+        outcomes.unlink(missing_ok=True)
         started.unlink(missing_ok=True)
-        del os.environ[FAILURES_ENV], os.environ[STARTED_RUNS_ENV]
-    if lines:
-        print(
-            f"error: sweep finished; {len(lines)} job(s) failed, the others ran: {'; '.join(lines)}", file=sys.stderr
-        )
+        del os.environ[OUTCOMES_ENV], os.environ[STARTED_RUNS_ENV]
+    summary = _sweep_summary(lines)
+    if summary:
+        print(f"error: {summary}", file=sys.stderr)
         sys.exit(1)
 
 
