@@ -226,6 +226,28 @@ def test_runs_of_sweep_jobs_killed_by_their_launcher_are_closed_by_the_sweep(tmp
     alive.finish("FAILED", "closed by its job")
 
 
+SWEEP_WAITING = """
+import sys, time
+import xmc_repro.__main__ as entry
+entry._task = lambda: (print("waiting", flush=True), time.sleep(120))  # as a launcher waits for its workers
+sys.argv = ["xmc_repro", "-m", "seed=1,2"]
+entry.main()
+"""
+
+
+def test_sigterm_to_a_sweeps_own_process_stops_it_as_ctrl_c_does(tmp_path):
+    """SIGTERM to the process running a sweep (a joblib launcher's parent, waiting for its workers) killed it
+    without a word and orphaned the workers, which went on training."""
+    (tmp_path / "sweep.py").write_text(SWEEP_WAITING)
+    process = subprocess.Popen([sys.executable, str(tmp_path / "sweep.py")], cwd=tmp_path, env=cli_env(),
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert process.stdout.readline() == "waiting\n"
+    process.send_signal(signal.SIGTERM)
+    _, stderr = process.communicate(timeout=60)
+    assert process.returncode == 143 and stderr_lines(stderr) == ["error: interrupted (SIGTERM)"], stderr
+    assert not list(tmp_path.glob("multirun/.*"))  # the sweep's bookkeeping files are gone
+
+
 def test_ddp_lines_name_another_ranks_stop_and_the_rank_that_prints(tmp_path, monkeypatch):
     """Rank 1 stopping (a NaN on its share, a kill) failed rank 0's collective with gloo's traceback as the run's
     reason; rank 1's own lines read like rank 0's ('SIGTERM before the MLflow run was opened')."""

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import os
+import signal
 import sys
 import traceback
 import uuid
@@ -224,6 +225,15 @@ def _reraise(error: BaseException):
     raise error
 
 
+class SweepTerminated(KeyboardInterrupt):
+    """SIGTERM to the process that runs the sweep (or the single run): it stops as Ctrl+C stops it. The default
+    would kill it without a word and orphan a launcher's workers, which keep training."""
+
+
+def _sigterm_stops_like_ctrl_c(signum, frame):
+    raise SweepTerminated()
+
+
 def main() -> None:
     if any(arg in ("--help", "-h") for arg in sys.argv[1:]):  # ours, not Hydra's: what the tool does, its groups
         from xmc_repro.cli import help_text
@@ -241,18 +251,20 @@ def main() -> None:
     started = outcomes.with_name(f".runs-{sweep}.txt")
     os.environ[OUTCOMES_ENV] = str(outcomes)  # jobs in other processes inherit it
     os.environ[STARTED_RUNS_ENV] = str(started)
+    signal.signal(signal.SIGTERM, _sigterm_stops_like_ctrl_c)  # a run replaces it while open, then puts it back
     try:
         _task()
-    except KeyboardInterrupt:  # outside a run (a run reports its own), e.g. in a launcher's (joblib's) wait
+    except KeyboardInterrupt as error:  # outside a run (a run reports its own), e.g. in a launcher's (joblib's) wait
         if full_errors():
             raise
         from xmc_repro.resume import close_interrupted
 
-        closed = close_interrupted(started, "Ctrl+C")  # the runs of jobs the launcher killed
+        why = "SIGTERM" if isinstance(error, SweepTerminated) else "Ctrl+C"
+        closed = close_interrupted(started, why)  # the runs of jobs the launcher killed
         closing = (f"; the runs of killed jobs are marked FAILED ({', '.join(closed)}): continue each with "
                    "resume=<its id>") if closed else ""
-        print(f"error: interrupted (Ctrl+C){closing}", file=sys.stderr)
-        sys.exit(130)
+        print(f"error: interrupted ({why}){closing}", file=sys.stderr)
+        sys.exit(143 if why == "SIGTERM" else 130)
     finally:
         lines = outcomes.read_text(encoding="utf-8").splitlines() if outcomes.is_file() else []
         outcomes.unlink(missing_ok=True)

@@ -105,12 +105,14 @@ def note_started(run_id: str, tracking_uri: str, run_dir: Path) -> None:
 def close_interrupted(path: Path, why: str) -> list[str]:
     """After a sweep was interrupted: mark FAILED the listed runs that are still RUNNING with no process writing them.
     A launcher such as joblib kills its workers on Ctrl+C, before a job can close its own run. Returns their ids."""
+    lines = path.read_text(encoding="utf-8").splitlines() if path.is_file() else []
+    if not lines:
+        return []  # no job started a run: nothing to close (and no MLflow to load)
     from mlflow.tracking import MlflowClient
 
     from xmc_repro.tracking import with_retries
 
     closed = []
-    lines = path.read_text(encoding="utf-8").splitlines() if path.is_file() else []
     for run_id, uri, run_dir in (line.split("\t") for line in lines if line.count("\t") == 2):
         if checkpoints.RunLock(Path(run_dir)).is_held():
             continue  # its job is alive: it closes the run itself
