@@ -159,3 +159,10 @@ def test_two_sweeps_started_in_one_second_get_folders_of_their_own(tmp_path):
         if [re.sub(r"-\d{6}$", "", d) for d in first] == [re.sub(r"-\d{6}$", "", d) for d in second]:
             break
     assert not set(first) & set(second), (first, second)
+
+
+@pytest.mark.parametrize("flags", [["--cfg", "job"], ["--resolve"]])
+def test_hydra_flags_combined_wrongly_get_one_line(tmp_path, flags):
+    result = cli(tmp_path, flags, multirun=True, timeout=60)
+    assert result.returncode == 2 and len(stderr_lines(result.stderr)) == 1, result.stderr
+    assert stderr_lines(result.stderr)[0].startswith(("error: Only one of --run", "error: The --resolve flag"))

@@ -225,6 +225,20 @@ def _reraise(error: BaseException):
     raise error
 
 
+# Hydra's flags combined wrongly (`-m --cfg job`): hydra-core 1.3 raises these outside its error reporting.
+HYDRA_FLAG_ERRORS = ("Only one of --run, --multirun", "The --resolve flag")
+
+
+def _run_task() -> None:
+    try:
+        _task()
+    except ValueError as error:
+        if full_errors() or not str(error).startswith(HYDRA_FLAG_ERRORS):
+            raise
+        print(f"error: {error}", file=sys.stderr)
+        sys.exit(2)
+
+
 class SweepTerminated(KeyboardInterrupt):
     """SIGTERM to the process that runs the sweep (or the single run): it stops as Ctrl+C stops it. The default
     would kill it without a word and orphan a launcher's workers, which keep training."""
@@ -242,7 +256,7 @@ def main() -> None:
         return
     _one_line_hydra_errors()
     if os.environ.get(OUTCOMES_ENV):  # started by a sweep's own process (a launcher's job): that one reports
-        _task()
+        _run_task()
         return
     from xmc_repro.cli import STARTED_RUNS_ENV
 
@@ -253,7 +267,7 @@ def main() -> None:
     os.environ[STARTED_RUNS_ENV] = str(started)
     signal.signal(signal.SIGTERM, _sigterm_stops_like_ctrl_c)  # a run replaces it while open, then puts it back
     try:
-        _task()
+        _run_task()
     except KeyboardInterrupt as error:  # outside a run (a run reports its own), e.g. in a launcher's (joblib's) wait
         if full_errors():
             raise
