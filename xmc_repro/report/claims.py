@@ -23,7 +23,10 @@ PARTLY = "holds where measured; the rest is not measurable here"
 
 
 def _trained(runs: list[dict]) -> list[dict]:
-    return [r for r in runs if r["scale"] != "smoke" and r["test_p1"] and r["table"] in DEFAULT_SETTINGS_TABLES]
+    """Default settings and float32 (as the figures, figures.py): a bf16-mixed row is another configuration, which
+    `pick` would otherwise take for the float32 one whenever it ended later."""
+    return [r for r in runs if r["scale"] != "smoke" and r["test_p1"] and r["table"] in DEFAULT_SETTINGS_TABLES
+            and not r["precision"]]
 
 
 def pick(runs: list[dict], dataset: str, setup: str, connectivity: str = "", intermediate: str = "",
@@ -133,8 +136,10 @@ def c3_uniform_vs_unstructured(claim: Claim, runs: list[dict]) -> None:
             unstructured = pick(runs, dataset, "unstructured", run["connectivity"], run["intermediate"], run["loss"])
             uniform = pick(runs, dataset, "uniform", run["connectivity"], run["intermediate"], run["loss"])
             if uniform and unstructured is run:
-                gaps = [abs(float(uniform[f"test_p{k}"]) - float(run[f"test_p{k}"])) for k in KS]
-                claim.compare(max(gaps) <= TOLERANCE, f"{dataset}: test P@1/3/5 {_model(uniform)} {_pk(uniform)} "
+                # "as good as": uniform at most TOLERANCE below unstructured, one-sided like C2 and C5 (uniform
+                # ahead does not contradict the claim)
+                gaps = [float(uniform[f"test_p{k}"]) - float(run[f"test_p{k}"]) for k in KS]
+                claim.compare(min(gaps) >= -TOLERANCE, f"{dataset}: test P@1/3/5 {_model(uniform)} {_pk(uniform)} "
                               f"vs {_model(run)} {_pk(run)}", uniform, run)  # fmt: skip
         if len(claim.outcomes) == before:
             claim.missing.append(f"no trained uniform and unstructured runs of equal connectivity on {dataset}")
@@ -193,7 +198,8 @@ def c6_more_capacity(claim: Claim, runs: list[dict]) -> None:
 
 def _ladder(claim: Claim, ordered: list[dict], what: str) -> None:
     for small, large in zip(ordered, ordered[1:]):
-        ok = all(float(large[f"test_p{k}"]) > float(small[f"test_p{k}"]) for k in (1, 3))
+        # a raise is more than the TOLERANCE within which two models count as level (as in C1)
+        ok = all(float(large[f"test_p{k}"]) > float(small[f"test_p{k}"]) + TOLERANCE for k in (1, 3))
         claim.compare(ok, f"{small['dataset']}, more {what}: {_model(large)} {_pk(large)} vs {_model(small)} "
                       f"{_pk(small)}", large, small)  # fmt: skip
 
@@ -208,8 +214,8 @@ CLAIMS = (
     (c2_intermediate, ("C2", "a dense intermediate layer brings the uniform model to the dense model's P@k",
      f"Holds where uniform + intermediate is at most {TOLERANCE:g} point below dense in test P@1, P@3 and P@5.")),
     (c3_uniform_vs_unstructured, ("C3", "uniform sparsity is as good as unstructured sparsity at equal connectivity",
-     f"Holds where their test P@1, P@3, P@5 differ by at most {TOLERANCE:g} point, with and without the same "
-     "intermediate layer.")),
+     f"Holds where uniform's test P@1, P@3 and P@5 are at most {TOLERANCE:g} point below unstructured's, with and "
+     "without the same intermediate layer.")),
     (c4_memory, ("C4", "a uniform last layer needs a small fraction of the dense layer's GPU memory (3-10x less)",
      f"Holds where dense's peak GPU memory is at least {MEMORY_FACTOR:g} times the uniform model's, on the same "
      "card and data shape.")),
@@ -217,8 +223,8 @@ CLAIMS = (
      "Time: squared hinge's time per epoch below BCE's on the same GPU (full-shape runs). P@k: squared hinge's "
      f"test P@1, P@3, P@5 at most {TOLERANCE:g} point below BCE's (real data).")),
     (c6_more_capacity, ("C6", "more connections, or a larger intermediate layer, raise P@k",
-     "Holds where the larger model's test P@1 and P@3 are above the smaller's (same data, loss and the other size "
-     "fixed).")),
+     f"Holds where the larger model's test P@1 and P@3 are more than {TOLERANCE:g} point above the smaller's (same "
+     "data, loss and the other size fixed).")),
 )  # fmt: skip
 
 
