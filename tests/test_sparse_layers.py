@@ -115,6 +115,22 @@ def test_uniform_layer_state_dict_roundtrip():
     assert nobias.bias is None and nobias(x).shape == (2, 40)
 
 
+@pytest.mark.parametrize("layer_type", [UniformSparseLinear, UnstructuredSparseLinear])
+def test_a_state_dict_of_a_layer_with_more_inputs_is_refused_at_load(layer_type):
+    """Same parameter shapes, more inputs: the sources do not fit this layer (the CUDA kernels would read past x,
+    the CSR structure would move weights to other labels), so loading fails and names in_features."""
+    saved = layer_type(13, 7, 3, generator=_gen(0))
+    saved.indices[-1, 0] = 12  # a source only the 13-input layer has (Unstructured: row 1 holds the inputs)
+    target = layer_type(11, 7, 3, generator=_gen(1))
+    before = target.indices.clone()
+    with pytest.raises(RuntimeError, match=r"in_features=11.*\[0, 11\)"):
+        target.load_state_dict(saved.state_dict())
+    assert torch.equal(target.indices, before)
+    wider = layer_type(20, 7, 3, generator=_gen(1))  # sources in range: loads, as before
+    wider.load_state_dict(saved.state_dict())
+    assert torch.equal(wider.indices, saved.indices)
+
+
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("in_features,conn", [(1000, 16), (12, 10), (7, 7)])
 def test_uniform_rewire_authors(device, in_features, conn):

@@ -268,6 +268,34 @@ def test_torch_compile_traces_the_op():
     torch.testing.assert_close(compiled(x, w, b), f(x, w, b))
 
 
+def test_torch_compile_of_a_model_is_the_ops_first_use():
+    """A fresh process whose first call of the layer is traced by torch.compile(fullgraph=True): Dynamo cannot enter
+    the registration's lock, so the registration must run outside the traced code."""
+    code = ("import torch; from xmc_repro.sparse import UniformSparseLinear;"
+            "m=torch.nn.Sequential(torch.nn.Linear(8,16), UniformSparseLinear(16,33,4));"
+            "x=torch.randn(5,8); c=torch.compile(m, backend='aot_eager', fullgraph=True)(x);"
+            "print(float((c-m(x)).abs().max()))")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert float(out.stdout.split()[-1]) == 0.0
+
+
+def test_check_indices_under_torch_compile():
+    """check_indices=True (as XMC_SPARSE_CHECK_INDICES=1) traces: an in-range call runs, an index outside raises."""
+    torch._dynamo.reset()
+    x, idx, w, b = _problem(4, 30, 50, 3, "cpu")
+
+    def f(x, idx):
+        return uniform_sparse_linear(x, idx, w, b, check_indices=True)
+
+    compiled = torch.compile(f, backend="aot_eager", fullgraph=True)
+    torch.testing.assert_close(compiled(x, idx), f(x, idx))
+    idx[1, 7] = 30
+    with pytest.raises(RuntimeError, match=re.escape("indices must lie in [0, in_features)")):
+        compiled(x, idx)
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_noncontiguous_x_and_grad(device):
     x, idx, w, b = _problem(6, 40, 50, 4, device)
@@ -308,6 +336,17 @@ def test_bad_inputs_raise_clear_errors():
         assert "device" in _bad(x, idx, w.to("meta"))
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_a_16_bit_layer_is_told_to_stay_float32(dtype):
+    """layer.half(): the error names the weight and the fix, whatever dtype x has (not 'call x.float()', which
+    fails next on the weight)."""
+    layer = UniformSparseLinear(16, 9, 3).to(dtype)
+    for x in (torch.randn(2, 16, dtype=dtype), torch.randn(2, 16)):
+        with pytest.raises(SparseInputError, match=re.escape(f"weight must be float32 or float64, got {dtype}") +
+                           ".*layer.float\\(\\).*autocast"):
+            layer(x)
+
+
 @pytest.mark.parametrize("bad", [10, -1, 2_000_000_000])
 def test_out_of_range_indices_raise_on_the_cpu(bad):
     """Without check_indices, the CPU kernels and the reference refuse an index outside [0, in_features) in every op,
@@ -338,6 +377,19 @@ def test_layer_config_errors_name_the_setting():
         UniformSparseLinear(32, 10, 0)
     with pytest.raises(ConfigError, match="2\\*\\*31"):
         UniformSparseLinear(2**16, 2**26, 2**5)
+
+
+def test_layer_sizes_may_be_numpy_integers():
+    """Sizes computed with numpy (labels.max() + 1) are integers, as nn.Linear takes them; floats stay refused."""
+    np = pytest.importorskip("numpy")
+    layer = UniformSparseLinear(np.int64(16), np.int32(9), np.int64(3))
+    assert (layer.in_features, layer.out_features, layer.connectivity) == (16, 9, 3)
+    assert all(type(v) is int for v in (layer.in_features, layer.out_features, layer.connectivity))
+    assert layer(torch.randn(2, 16)).shape == (2, 9)
+    with pytest.raises(ConfigError, match="must be a positive integer"):
+        UniformSparseLinear(16, 9, np.float64(3))
+    with pytest.raises(ConfigError, match="must be a positive integer"):
+        UniformSparseLinear(16, 9, True)
 
 
 def test_forced_reference_backend_registers_the_schemas_the_library_does():

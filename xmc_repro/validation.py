@@ -8,6 +8,7 @@ torch, Lightning and MLflow load. Every problem is a ConfigError: one line namin
 from __future__ import annotations
 
 import math
+import numbers
 
 from omegaconf import DictConfig, OmegaConf
 
@@ -74,13 +75,15 @@ def _is_int(value) -> bool:
         return False
 
 
-def check_layer_sizes(in_features: int, out_features: int, connectivity: int) -> None:
-    """The sizes a sparse layer is built with (they come straight from the config and the data)."""
+def check_layer_sizes(in_features: int, out_features: int, connectivity: int) -> tuple[int, int, int]:
+    """The sizes a sparse layer is built with (they come straight from the config and the data), as Python ints
+    (in_features, out_features, connectivity): integers of any kind (numpy's too, as ``nn.Linear`` takes them)."""
     for name, value in (("model.connectivity", connectivity), ("out_features", out_features),
                         ("in_features", in_features)):
-        if not isinstance(value, int):  # a layer is built from ints only; 8.0 is a caller's mistake
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral):  # 8.0 is a caller's mistake
             raise ConfigError(f"{name}={value!r} must be a positive integer")
-        positive_int(value, name)
+        positive_int(int(value), name)
+    in_features, out_features, connectivity = int(in_features), int(out_features), int(connectivity)
     if connectivity > in_features:
         raise ConfigError(
             f"model.connectivity={connectivity} exceeds the layer's {in_features} input features; "
@@ -89,6 +92,7 @@ def check_layer_sizes(in_features: int, out_features: int, connectivity: int) ->
         raise ConfigError(
             f"model.connectivity * labels = {connectivity} * {out_features} >= 2**31 does not fit the int32 "
             "indices; lower model.connectivity")
+    return in_features, out_features, connectivity
 
 
 def number(cfg: DictConfig, key: str, kind=float, low=None, high=None, low_open=False, high_open=False,

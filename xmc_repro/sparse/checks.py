@@ -19,6 +19,10 @@ def check_op_inputs(x: torch.Tensor, indices: torch.Tensor, weight: torch.Tensor
         raise SparseInputError("x, indices and weight must be torch.Tensors")
     if x.dim() != 2:
         raise SparseInputError(f"x must be 2-D (batch, in_features), got shape {tuple(x.shape)}")
+    if weight.dtype not in (torch.float32, torch.float64):  # e.g. a layer after .half() / .bfloat16()
+        raise SparseInputError(f"weight must be float32 or float64, got {weight.dtype}: the sparse op computes in "
+                               "float32/float64; keep the layer's parameters in float32 (layer.float()) and run "
+                               "16-bit activations under torch.autocast")
     bf16_inputs = x.dtype == torch.bfloat16 and x.is_cuda and weight.dtype == torch.float32
     if x.dtype not in (torch.float32, torch.float64) and not bf16_inputs:
         raise SparseInputError(f"x must be float32 (or float64; bfloat16 on CUDA with float32 weights), got {x.dtype}; "
@@ -71,6 +75,11 @@ def check_layer_input(x: torch.Tensor, in_features: int) -> None:
 
 def check_index_range(indices: torch.Tensor, in_features: int) -> None:
     """Every source index must lie in [0, in_features) (costs a device sync; opt-in)."""
+    if torch.compiler.is_compiling():  # traced: no Python branch on tensor data; an assert op in the graph instead
+        in_range = ((indices >= 0) & (indices < in_features)).all()
+        torch._assert_async(in_range, "indices must lie in [0, in_features) (x.shape[1]); check_indices=True found "
+                                      "one outside")
+        return
     lo, hi = int(indices.min()), int(indices.max())
     if lo < 0 or hi >= in_features:
         raise SparseInputError(

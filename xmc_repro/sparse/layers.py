@@ -48,6 +48,25 @@ def init_sparse_(weight: torch.Tensor, bias: torch.Tensor | None, init: str, fan
         _uniform_(bias, bound, generator)
 
 
+def _indices_misfit(state_dict, prefix: str, layer: nn.Module, bounds) -> str | None:
+    """Why a state dict's ``indices`` do not fit this layer, or None. Saved from a layer with more inputs (or
+    labels), they have the same shape: the CUDA kernels would read past the inputs, the CSR structure would put
+    weights at other labels. ``bounds``: for each row of the (2-D view of the) indices, (setting, its size)."""
+    indices = state_dict.get(prefix + "indices")
+    if not isinstance(indices, torch.Tensor) or indices.is_meta or indices.numel() == 0:
+        return None
+    if indices.shape != layer.indices.shape:
+        return None  # load_state_dict reports the size mismatch itself
+    rows = [indices] if len(bounds) == 1 else list(indices)
+    for values, (setting, size) in zip(rows, bounds):
+        lo, hi = int(values.min()), int(values.max())
+        if lo < 0 or hi >= size:
+            return (f"{prefix}indices hold values in [{lo}, {hi}] but this {type(layer).__name__} has {setting}={size}, "
+                    f"so they must lie in [0, {size}): the state dict was saved from a layer of other sizes; build the "
+                    f"layer with the sizes it was saved with")
+    return None
+
+
 class UniformSparseLinear(nn.Module):
     """Each output (label) reads exactly ``connectivity`` inputs.
 
@@ -64,7 +83,7 @@ class UniformSparseLinear(nn.Module):
     def __init__(self, in_features: int, out_features: int, connectivity: int, bias: bool = True,
                  generator: torch.Generator | None = None, init: str = "authors", distinct_sources: bool = False):
         super().__init__()
-        check_layer_sizes(in_features, out_features, connectivity)
+        in_features, out_features, connectivity = check_layer_sizes(in_features, out_features, connectivity)
         self.in_features, self.out_features, self.connectivity = in_features, out_features, connectivity
         self.distinct_sources = distinct_sources
         indices = sample_uniform_sources(in_features, out_features, connectivity, generator, distinct_sources)
@@ -72,6 +91,13 @@ class UniformSparseLinear(nn.Module):
         self.weight = nn.Parameter(torch.empty(connectivity, out_features))
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
         init_sparse_(self.weight, self.bias, init, connectivity, generator)
+
+    def _load_from_state_dict(self, state_dict, prefix, *args):
+        misfit = _indices_misfit(state_dict, prefix, self, [("in_features", self.in_features)])
+        if misfit:  # nothing of this layer is loaded; load_state_dict raises with the line
+            args[-1].append(misfit)  # error_msgs
+            return
+        super()._load_from_state_dict(state_dict, prefix, *args)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         check_layer_input(x, self.in_features)
@@ -207,7 +233,7 @@ class UnstructuredSparseLinear(nn.Module):
     def __init__(self, in_features: int, out_features: int, connectivity: int, bias: bool = True,
                  generator: torch.Generator | None = None, init: str = "authors", distinct_sources: bool = False):
         super().__init__()
-        check_layer_sizes(in_features, out_features, connectivity)
+        in_features, out_features, connectivity = check_layer_sizes(in_features, out_features, connectivity)
         self.in_features, self.out_features, self.connectivity = in_features, out_features, connectivity
         self.distinct_sources = distinct_sources
         nnz, total = connectivity * out_features, out_features * in_features
@@ -225,9 +251,14 @@ class UnstructuredSparseLinear(nn.Module):
             s = self._structure = _Structure(self.indices[0], self.indices[1], self.out_features, self.in_features)
         return s
 
-    def _load_from_state_dict(self, *args, **kwargs):
+    def _load_from_state_dict(self, state_dict, prefix, *args):
+        misfit = _indices_misfit(state_dict, prefix, self, [("out_features", self.out_features),
+                                                            ("in_features", self.in_features)])
+        if misfit:  # nothing of this layer is loaded; load_state_dict raises with the line
+            args[-1].append(misfit)  # error_msgs
+            return
         self._structure = None
-        super()._load_from_state_dict(*args, **kwargs)
+        super()._load_from_state_dict(state_dict, prefix, *args)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         check_layer_input(x, self.in_features)

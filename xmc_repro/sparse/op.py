@@ -264,6 +264,14 @@ def backend(device: str | torch.device | None = None) -> str:
     return ensure_registered().get(torch.device(device).type, "reference")
 
 
+@torch.compiler.assume_constant_result
+def _backend_of(device_type: str) -> str:
+    """``backend`` for the op's wrapper: registers the ops on first use, also when that first use is being traced
+    by torch.compile / torch.export (Dynamo cannot enter ``_lock``; it calls this function eagerly instead and
+    takes its result as a constant, which it is for the life of the process)."""
+    return ensure_registered().get(device_type, "reference")
+
+
 def uniform_sparse_linear(x: torch.Tensor, indices: torch.Tensor, weight: torch.Tensor,
                           bias: torch.Tensor | None = None, *, check_indices: bool | None = None) -> torch.Tensor:
     """``out[b, j] = sum_k weight[k, j] * x[b, indices[k, j]] + bias[j]``, differentiable in x, weight, bias.
@@ -281,9 +289,9 @@ def uniform_sparse_linear(x: torch.Tensor, indices: torch.Tensor, weight: torch.
     if x.dtype != weight.dtype and x.is_floating_point() and torch.is_autocast_enabled(x.device.type):
         # Compiled CUDA kernels gather bf16 inputs as they are (half the bytes, float32 sums); elsewhere they
         # are cast, differentiably: x's gradient comes back in its own dtype.
-        gathers_bf16 = backend(x.device).startswith("compiled-cuda")
+        gathers_bf16 = _backend_of(x.device.type).startswith("compiled-cuda")
         if not (x.dtype == torch.bfloat16 and weight.dtype == torch.float32 and gathers_bf16):
             x = x.to(weight.dtype)
     check_op_inputs(x, indices, weight, bias, check_indices)
-    ensure_registered()
+    _backend_of(x.device.type)  # defines the ops on first use
     return torch.ops.xmc_sparse.forward(x.contiguous(), indices, weight, bias)
