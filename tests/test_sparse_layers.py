@@ -357,3 +357,5 @@ def test_a_users_loop_resets_the_optimizer_state_of_exactly_the_rewired_slots(de
             assert torch.equal(new.view(-1)[~rewired], old.view(-1)[~rewired])
         else:
             assert torch.equal(new, old)  # Adam's step count: the whole tensor's
+    with pytest.raises(SparseInputError, match="pass the weight of the layer whose rewire returned them"):
+        reset_optimizer_state_(optimizer, layer.bias, slots)  # the bias: fewer entries than the slots reach

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import torch
 
+from xmc_repro.sparse.checks import SparseInputError
+
 # Fall back from rejection sampling to exact sampling after this many rounds.
 _MAX_REJECTION_ROUNDS = 8
 # Temporary budget (elements) of the exact sampler: columns x in_features keys per chunk.
@@ -230,6 +232,9 @@ def reset_optimizer_state_(optimizer: torch.optim.Optimizer, weight: torch.Tenso
     the weight's shape) at the flat positions ``slots`` that a layer's ``rewire`` returned, so that a regrown
     connection starts without its predecessor's history, as in the authors' code. Scalar state (Adam's step
     count) is the whole tensor's and stays."""
+    if slots.numel() and not 0 <= int(slots.min()) <= int(slots.max()) < weight.numel():
+        raise SparseInputError(f"slots lie in [{int(slots.min())}, {int(slots.max())}], outside the {weight.numel()} "
+                               "entries of the tensor given: pass the weight of the layer whose rewire returned them")
     for value in optimizer.state.get(weight, {}).values():
         if torch.is_tensor(value) and value.shape == weight.shape:
             value.view(-1)[slots.to(value.device)] = 0
