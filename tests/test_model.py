@@ -77,7 +77,7 @@ def test_all_finite_agrees_with_isfinite(dtype, bad):
 def test_summary_keeps_the_mlflow_ui_command_on_one_line(capsys):
     from omegaconf import OmegaConf
 
-    from xmc_repro.__main__ import print_summary
+    from xmc_repro.entry import print_summary
 
     ui = "mlflow ui --backend-store-uri sqlite:////a/rather/long/path/to/some/experiment/folder/mlruns.db"
     results = {f"{s}/p_at_{k}": 1.0 for s in ("test", "train") for k in (1, 3, 5)}

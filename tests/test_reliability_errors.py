@@ -137,7 +137,7 @@ def test_non_finite_loss_fails_the_run_and_keeps_the_last_good_checkpoint(tmp_pa
 
 
 def test_the_sweep_summary_counts_the_jobs_that_failed():
-    from xmc_repro.__main__ import _sweep_summary
+    from xmc_repro.entry import _sweep_summary
 
     assert _sweep_summary(["ok", "ok"]) is None
     assert _sweep_summary(["ok", "failed #1 (a=1): broke"]) == "sweep finished; 1 of 2 jobs failed: #1 (a=1): broke"

@@ -13,7 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from test_reliability_common import TINY, cli, cli_env, copy_store, make_store, runs, start, stderr_lines
+from test_reliability_common import TINY, cli, cli_env, command, copy_store, make_store, runs, start, stderr_lines
+from test_reliability_common import _USED
 from test_reliability_common import no_run_left_running  # noqa: F401  (autouse)
 from xmc_repro import checkpoints
 from xmc_repro.errors import ConfigError
@@ -169,7 +170,7 @@ elif where == "finished":  # just after the run is closed FINISHED
     from xmc_repro.tracking import RunTracker
     finish = RunTracker.finish
     RunTracker.finish = lambda self, status="FINISHED", *a, **k: (finish(self, status, *a, **k), sigterm())[0]
-from xmc_repro.__main__ import main
+from xmc_repro.entry import main
 sys.argv = ["xmc_repro", *sys.argv[1:]]
 main()
 """
@@ -228,7 +229,7 @@ def test_runs_of_sweep_jobs_killed_by_their_launcher_are_closed_by_the_sweep(tmp
 
 SWEEP_WAITING = """
 import sys, time
-import xmc_repro.__main__ as entry
+import xmc_repro.entry as entry
 entry._task = lambda: (print("waiting", flush=True), time.sleep(120))  # as a launcher waits for its workers
 sys.argv = ["xmc_repro", "-m", "seed=1,2"]
 entry.main()
@@ -248,10 +249,56 @@ def test_sigterm_to_a_sweeps_own_process_stops_it_as_ctrl_c_does(tmp_path):
     assert not list(tmp_path.glob("multirun/.*"))  # the sweep's bookkeeping files are gone
 
 
+def _state_and_parent(pid: int) -> tuple[str, int] | None:
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+    except OSError:
+        return None  # gone
+    return fields[0], int(fields[1])
+
+
+def _alive(pid: int) -> bool:
+    found = _state_and_parent(pid)
+    return found is not None and found[0] != "Z"
+
+
+def _children(pid: int) -> list[int]:
+    """The live processes whose parent is `pid` (from /proc)."""
+    return [int(p.name) for p in Path("/proc").glob("[0-9]*") if _alive(int(p.name))
+            and (_state_and_parent(int(p.name)) or ("", 0))[1] == pid]
+
+
+@pytest.mark.slow  # about 40 s: two workers train until both runs are open
+@pytest.mark.skipif(not Path("/proc").is_dir(), reason="reads the process table from /proc")
+def test_a_joblib_sweep_stopped_by_sigterm_closes_its_runs_and_leaves_no_worker(tmp_path, store):
+    """A joblib sweep end to end: its workers train (no Hydra warning about the launcher config), SIGTERM to the
+    sweep's own process stops it in one line with exit 143, both runs end FAILED, no worker keeps training."""
+    copy_store(store, tmp_path)
+    long = ["dataset.num_train=20000", "trainer.max_epochs=50", "trainer.limit_train_batches=1.0"]
+    _USED.add(tmp_path)
+    sweep = subprocess.Popen(command(tmp_path, ["hydra/launcher=joblib", "hydra.launcher.n_jobs=2", *TINY, *long,
+                                                "seed=1,2"], multirun=True),  # fmt: skip
+                             cwd=tmp_path, env=cli_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 240
+    while len([r for r in runs(tmp_path) if r.info.status == "RUNNING"]) < 2 and time.monotonic() < deadline:
+        time.sleep(1)
+    workers = _children(sweep.pid)
+    sweep.send_signal(signal.SIGTERM)
+    _, stderr = sweep.communicate(timeout=120)
+    lines = [line for line in stderr_lines(stderr) if not line.startswith("INFO")]
+    assert sweep.returncode == 143 and len(lines) == 1, stderr[-3000:]
+    assert lines[0].startswith("error: interrupted (SIGTERM)"), lines
+    assert [r.info.status for r in runs(tmp_path)] == ["FAILED", "FAILED"]
+    deadline = time.monotonic() + 30
+    while any(map(_alive, workers)) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert workers and not any(map(_alive, workers)), workers
+
+
 def test_ddp_lines_name_another_ranks_stop_and_the_rank_that_prints(tmp_path, monkeypatch):
     """Rank 1 stopping (a NaN on its share, a kill) failed rank 0's collective with gloo's traceback as the run's
     reason; rank 1's own lines read like rank 0's ('SIGTERM before the MLflow run was opened')."""
-    from xmc_repro.__main__ import _explained, _rank_prefix
+    from xmc_repro.entry import _explained, _rank_prefix
     from xmc_repro.train import failure_message
 
     gone = RuntimeError("[gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:1937. This is ...")

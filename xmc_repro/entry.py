@@ -1,0 +1,296 @@
+"""`python -m xmc_repro [overrides]`: one experiment; `python -m xmc_repro -m ...`: a sweep (one MLflow run per job).
+
+Whatever goes wrong ends in one line on stderr (`error: ...`) and a non-zero exit; HYDRA_FULL_ERROR=1 shows
+the traceback instead. Exit status 2: bad settings or input (fix and rerun); 1: the run failed.
+In a sweep a failed job does not stop the others: each failure is reported in one line as it happens, and
+the sweep ends with a one-line summary of the failed jobs and exit status 1.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import signal
+import sys
+import traceback
+import uuid
+import warnings
+from pathlib import Path
+
+import hydra
+from omegaconf import DictConfig
+
+from xmc_repro.errors import ConfigError, UserError
+from xmc_repro.resources import resource_dir
+
+# conf/hydra/launcher/*.yaml take the names of the launcher plugins' own entries on purpose (every setting the
+# launcher reads, with our defaults); Hydra 1.3 warns of the name match in every process of a sweep, and a joblib
+# worker imports this module to unpickle its job (entry.py, not `__main__`), so the filter reaches it too.
+warnings.filterwarnings("ignore", r"\s*'hydra/launcher/\w+' is validated against ConfigStore schema", UserWarning)
+
+# Jobs of a sweep may run in other processes (joblib, submitit launchers): each job that ends appends a line to
+# this file (`ok`, or `failed ` and its failure), which the sweep's own process reads at the end.
+OUTCOMES_ENV = "XMC_SWEEP_OUTCOMES"
+FAILED = "failed "
+
+
+def full_errors() -> bool:
+    return os.environ.get("HYDRA_FULL_ERROR") == "1"
+
+
+def print_summary(cfg: DictConfig, results: dict) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    from xmc_repro.describe import selection, title
+
+    table = Table(show_header=True)
+    table.add_column("split")
+    for k in (1, 3, 5):
+        table.add_column(f"P@{k}", justify="right")
+    for split in ("test", "train"):
+        table.add_row(split, *(f"{results[f'{split}/p_at_{k}']:.2f}" for k in (1, 3, 5)))
+    console = Console()
+    console.print(title(cfg), style="bold", markup=False, highlight=False)
+    console.print(table)
+    chosen = selection(cfg, results.get("tested_weights"))
+    if chosen:
+        console.print(chosen, markup=False, highlight=False)
+    memory = results.get("peak_gpu_memory_gib")
+    step_ms = results.get("train/ms_per_step_median")
+    step = f" | ms per step (median): {step_ms:.2f}" if step_ms is not None else ""
+    # Not wrapped at the console width: the UI command must stay one line to copy.
+    console.print(
+        f"peak GPU memory: {f'{memory:.3f} GiB' if memory is not None else 'not applicable (CPU run)'}"
+        f" | epochs: {results['epochs']} | seconds per epoch: {results['time_per_epoch_s']:.1f}{step}"
+        f" | device: {results['device']}",
+        soft_wrap=True, markup=False, highlight=False,
+    )
+    console.print(f"MLflow run {results['run_id']}; browse with: {results['ui']}",
+                  soft_wrap=True, markup=False, highlight=False)
+
+
+def _sweep_job() -> str | None:
+    """`#<num> (<overrides>)` for a job of a Hydra multirun; None for a single run."""
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+
+    try:
+        hc = HydraConfig.get()
+    except ValueError:
+        return None
+    if hc.mode != RunMode.MULTIRUN:
+        return None
+    return f"#{hc.job.num} ({' '.join(hc.overrides.task) or 'defaults'})"
+
+
+@hydra.main(version_base="1.3", config_path=str(resource_dir("conf")), config_name="config")
+def _task(cfg: DictConfig):
+    try:
+        from hydra.core.hydra_config import HydraConfig
+
+        from xmc_repro.cli import added_setting, grid_without_multirun
+
+        problem = added_setting(list(HydraConfig.get().overrides.task)) or grid_without_multirun(HydraConfig.get())
+        if problem:
+            raise ConfigError(problem)
+        if cfg.get("resume") is None:  # a resumed run's settings are the run's own: checked once they are loaded
+            from xmc_repro.validation import validate
+
+            validate(cfg)  # before torch, Lightning and MLflow load: a bad value is reported in a second
+        from xmc_repro.console import quiet
+        from xmc_repro.train import run
+
+        quiet()
+        results = run(cfg)
+    except Exception as error:  # not KeyboardInterrupt: Ctrl+C stops a whole sweep
+        if full_errors():
+            raise
+        job = _sweep_job()
+        known = isinstance(error, UserError) or _explained(error)
+        message = getattr(error, "run_failure", None) or _failure_message(error)
+        if job is None:
+            if not known:
+                raise  # a bug: Hydra prints the traceback
+            print(f"error: {_rank_prefix()}{message}", file=sys.stderr)
+            sys.exit(2 if isinstance(error, UserError) else 1)
+        if not known:
+            traceback.print_exc()  # a bug in one job: its traceback, and the sweep goes on
+        print(f"error: {_rank_prefix()}job {job}: {message}", file=sys.stderr)
+        _record_outcome(f"{FAILED}{job}: {message}")
+        return None
+    except (KeyboardInterrupt, SystemExit) as error:  # Ctrl+C or SIGTERM: the run is FAILED; stop (a sweep too)
+        prefix = _rank_prefix()
+        if type(error).__name__ == "SIGTERMException" and not hasattr(error, "run_failure"):  # a code-less exit
+            error.run_failure = ("interrupted (SIGTERM); rank 0 records the run" if prefix else
+                                 "SIGTERM before the MLflow run was opened; nothing was recorded")  # fmt: skip
+        if full_errors() or not hasattr(error, "run_failure"):
+            raise
+        from xmc_repro.train import interruption
+
+        print(f"error: {prefix}{error.run_failure}", file=sys.stderr)
+        code = getattr(error, "code", None)
+        fallback = code if isinstance(code, int) and code else 1
+        sys.exit({"SIGTERM": 143, "Ctrl+C": 130}.get(interruption(error), fallback))
+    if _sweep_job() is not None:
+        _record_outcome("ok")
+    if results:  # empty on DDP ranks other than 0, which record and report nothing
+        print_summary(results["config"], results)
+    return results
+
+
+def _failure_message(error: BaseException) -> str:
+    if isinstance(error, UserError):  # without loading torch for it: settings errors come before training
+        return " ".join(str(error).split())
+    from xmc_repro.train import failure_message
+
+    return failure_message(error)
+
+
+def _explained(error: BaseException) -> bool:
+    """Failures whose cause one line explains: bad settings or input, a non-finite loss, out of memory, another
+    DDP rank stopping."""
+    import torch
+
+    from xmc_repro.distributed import another_rank_stopped
+    from xmc_repro.model import NonFiniteLossError
+
+    oom = getattr(torch, "OutOfMemoryError", torch.cuda.OutOfMemoryError)
+    return isinstance(error, (UserError, NonFiniteLossError, oom)) or another_rank_stopped(error)
+
+
+def _rank_prefix() -> str:
+    """`rank N: ` in a DDP rank other than 0, whose lines repeat or precede rank 0's (which records the run)."""
+    if not any(key in os.environ for key in ("RANK", "LOCAL_RANK", "SLURM_PROCID")):
+        return ""  # no launcher ranked this process (and torch need not load to say so)
+    from xmc_repro.distributed import launch_rank
+
+    rank = launch_rank()
+    return f"rank {rank}: " if rank else ""
+
+
+def _record_outcome(line: str) -> None:
+    path = os.environ.get(OUTCOMES_ENV)
+    if path:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        with open(path, "a", encoding="utf-8") as handle:  # one short append per job
+            handle.write(" ".join(line.split()) + "\n")
+
+
+def _sweep_summary(outcomes: list[str]) -> str | None:
+    """The sweep's last line when a job failed: how many of how many, and each failure."""
+    failures = [line.removeprefix(FAILED) for line in outcomes if line.startswith(FAILED)]
+    if not failures:
+        return None
+    failed = f"all {len(outcomes)}" if len(failures) == len(outcomes) else f"{len(failures)} of {len(outcomes)}"
+    return f"sweep finished; {failed} jobs failed: {'; '.join(failures)}"
+
+
+def _one_line_hydra_errors() -> None:
+    """Hydra reports a config it cannot compose (`model=nope`, a bad override) in several lines; make it one.
+
+    Hydra routes its errors through `hydra._internal.utils.run_and_report` (hydra-core 1.3, pinned in
+    pyproject.toml); composition errors are CompactHydraExceptions, printed here as one line. Anything else
+    still gets Hydra's own report.
+    """
+    from hydra._internal import utils as hydra_utils
+    from hydra.errors import CompactHydraException, MissingConfigException
+
+    from xmc_repro.cli import closest, unknown_setting
+
+    original = hydra_utils.run_and_report
+    if getattr(original, "one_line", False):
+        return
+
+    def run_and_report(func):
+        try:
+            return func()
+        except CompactHydraException as error:
+            if full_errors():
+                raise
+            text = str(error)
+            options = getattr(error, "options", None)
+            if isinstance(error, MissingConfigException) and options:  # its text lists them over many lines
+                match = closest(getattr(error, "missing_cfg_file", "").rpartition("/")[2], options)
+                hint = f"did you mean '{match}'? " if match else ""
+                text = f"{text.strip().splitlines()[0]}; {hint}choose one of: {', '.join(options)}"
+            elif unknown_setting(error):  # Hydra's own text suggests `+key=...`, which adds a key nothing reads
+                text = unknown_setting(error)
+            elif error.__cause__ is not None:
+                text += f" ({error.__cause__})"
+            print(f"error: {' '.join(text.split())}", file=sys.stderr)
+            sys.exit(2)
+        except Exception as error:
+            return original(functools.partial(_reraise, error))
+
+    run_and_report.one_line = True
+    hydra_utils.run_and_report = run_and_report
+
+
+def _reraise(error: BaseException):
+    raise error
+
+
+# Hydra's flags combined wrongly (`-m --cfg job`): hydra-core 1.3 raises these outside its error reporting.
+HYDRA_FLAG_ERRORS = ("Only one of --run, --multirun", "The --resolve flag")
+
+
+def _run_task() -> None:
+    try:
+        _task()
+    except ValueError as error:
+        if full_errors() or not str(error).startswith(HYDRA_FLAG_ERRORS):
+            raise
+        print(f"error: {error}", file=sys.stderr)
+        sys.exit(2)
+
+
+class SweepTerminated(KeyboardInterrupt):
+    """SIGTERM to the process that runs the sweep (or the single run): it stops as Ctrl+C stops it. The default
+    would kill it without a word and orphan a launcher's workers, which keep training."""
+
+
+def _sigterm_stops_like_ctrl_c(signum, frame):
+    raise SweepTerminated()
+
+
+def main() -> None:
+    if any(arg in ("--help", "-h") for arg in sys.argv[1:]):  # ours, not Hydra's: what the tool does, its groups
+        from xmc_repro.cli import help_text
+
+        print(help_text(), end="")
+        return
+    _one_line_hydra_errors()
+    if os.environ.get(OUTCOMES_ENV):  # started by a sweep's own process (a launcher's job): that one reports
+        _run_task()
+        return
+    from xmc_repro.cli import STARTED_RUNS_ENV
+
+    sweep = f"{os.getpid()}-{uuid.uuid4().hex[:8]}"  # a pid alone is reused, and a killed sweep leaves its files
+    outcomes = Path.cwd() / "multirun" / f".outcomes-{sweep}.txt"
+    started = outcomes.with_name(f".runs-{sweep}.txt")
+    os.environ[OUTCOMES_ENV] = str(outcomes)  # jobs in other processes inherit it
+    os.environ[STARTED_RUNS_ENV] = str(started)
+    signal.signal(signal.SIGTERM, _sigterm_stops_like_ctrl_c)  # a run replaces it while open, then puts it back
+    try:
+        _run_task()
+    except KeyboardInterrupt as error:  # outside a run (a run reports its own), e.g. in a launcher's (joblib's) wait
+        if full_errors():
+            raise
+        from xmc_repro.resume import close_interrupted
+
+        why = "SIGTERM" if isinstance(error, SweepTerminated) else "Ctrl+C"
+        closed = close_interrupted(started, why)  # the runs of jobs the launcher killed
+        closing = (f"; the runs of killed jobs are marked FAILED ({', '.join(closed)}): continue each with "
+                   "resume=<its id>") if closed else ""
+        print(f"error: interrupted ({why}){closing}", file=sys.stderr)
+        sys.exit(143 if why == "SIGTERM" else 130)
+    finally:
+        lines = outcomes.read_text(encoding="utf-8").splitlines() if outcomes.is_file() else []
+        outcomes.unlink(missing_ok=True)
+        started.unlink(missing_ok=True)
+        del os.environ[OUTCOMES_ENV], os.environ[STARTED_RUNS_ENV]
+    summary = _sweep_summary(lines)
+    if summary:
+        print(f"error: {summary}", file=sys.stderr)
+        sys.exit(1)
