@@ -38,7 +38,10 @@ cd "$(dirname "$0")/.."
 OUT="${OUT:-/tmp/xmc_gpu_all}"
 LOGS=/tmp/xmc_gpu_logs
 BUDGET_S=${BUDGET_S:-470}
+# /tmp and the ignored checkpoints/ and results/ outlive a call on a warm machine: report this call's files only
+rm -rf "$LOGS"
 mkdir -p "$OUT" "$LOGS" results/bench
+touch "$LOGS/.started"
 export XMC_SPARSE_CACHE="${XMC_SPARSE_CACHE:-$HOME/.cache/xmc_repro/sparse_ops}"
 export PYTHONUNBUFFERED=1 MLFLOW_TRACKING_URI="sqlite:///$LOGS/gpu_runs.db"
 [ -d .gpu_data ] && export XMC_SHARED_DATA="$PWD/.gpu_data"
@@ -96,8 +99,8 @@ done
 POINTS=${DENSE_POINTS:-} epoch epoch-dense-32-true dense 32-true 240  # DENSE_POINTS=50000: its step time, sooner
 for d in checkpoints/*/; do  # the epochs' step profiles, named by run
   run=$(basename "$d")
-  [ -f "$d/profile.txt" ] && cp "$d/profile.txt" "$LOGS/profile-$run.txt" && cp "$d/profile-trace.json.gz" "$LOGS/profile-trace-$run.json.gz"
-  [ -f "$d/memory-peak.txt" ] && cp "$d/memory-peak.txt" "$LOGS/memory-peak-$run.txt"
+  [ "$d/profile.txt" -nt "$LOGS/.started" ] && cp "$d/profile.txt" "$LOGS/profile-$run.txt" && cp "$d/profile-trace.json.gz" "$LOGS/profile-trace-$run.json.gz"
+  [ "$d/memory-peak.txt" -nt "$LOGS/.started" ] && cp "$d/memory-peak.txt" "$LOGS/memory-peak-$run.txt"
 done
 if [ -n "${XMC_SHARED_DATA:-}" ] && [ "${BIBTEX:-0}" = 1 ]; then
   for run in threads:32-true threads:bf16-mixed rows:32-true; do  # kernels:precision
@@ -118,7 +121,7 @@ echo "================ summary ================"
 printf '%s\n' "${status[@]}"
 grep -E "passed|failed|error" "$LOGS/tests.log" | tail -3
 sed -n '/^| model /,$p' "$LOGS/model.log" "$LOGS/model-rows.log" 2>/dev/null
-cat results/bench/*-model-profile.txt 2>/dev/null | grep -E "^==|^device span|^host during|^  +[0-9.]+  |^blocking"
+find results/bench -maxdepth 1 -name "*-model-profile.txt" -newer "$LOGS/.started" -exec cat {} + | grep -E "^==|^device span|^host during|^  +[0-9.]+  |^blocking"
 grep -E "peak GPU|^allocated at|MiB .* blocks" "$LOGS"/memory-graph-*.log
 for p in 32-true rows-32-true mixed-32-true bf16-mixed dense-32-true; do [ -f "$LOGS/epoch-$p.log" ] && grep -E "^epoch |peak GPU|MLflow run|^profile of|^device span|^host during|^  +[0-9.]+  |^blocking" "$LOGS/epoch-$p.log" | tail -20; done
 cat "$LOGS/step-times.md"

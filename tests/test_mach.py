@@ -158,6 +158,7 @@ def nn_bce(scores, targets):
 
 
 @pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
 def test_mach_on_cuda_matches_cpu():
     g = torch.Generator().manual_seed(2)
     head = MachHead(16, num_labels=1000, num_hashes=4, num_buckets=64, seed=1)
