@@ -9,8 +9,9 @@ a checkpoint are slower; a quarter's median is not moved by a few of them.
 """
 from __future__ import annotations
 
+import argparse
 import statistics
-import sys
+from pathlib import Path
 
 
 def quarters(values: list[float]) -> list[float]:
@@ -38,5 +39,16 @@ def main(store: str = "sqlite:///mlruns.db") -> None:
               f"| {len(values)} | {by_quarter} | {statistics.median(values):.2f} |")
 
 
+def cli(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(prog="python scripts/step_times.py", description=__doc__.split("\n")[0])
+    ap.add_argument("store", nargs="?", default="sqlite:///mlruns.db",
+                    help="MLflow tracking URI of the runs (default sqlite:///mlruns.db)")
+    args = ap.parse_args(argv)
+    # MLflow creates a missing SQLite store (and its folder): a mistyped path printed an empty table, exit 0.
+    if args.store.startswith("sqlite:///") and not Path(args.store[len("sqlite:///"):]).is_file():
+        ap.error(f"{args.store}: no such database; give the store the runs logged to (their MLFLOW_TRACKING_URI)")
+    main(args.store)
+
+
 if __name__ == "__main__":
-    main(*sys.argv[1:2])
+    cli()

@@ -54,10 +54,19 @@ def test_model_step_benchmark_refuses_an_unknown_precision(capsys):
     (["--warmup", "-2"], "--warmup -2: give 0 or more untimed runs"),
     (["--model", "--scale", "0"], "argument --scale: 0 is not > 0"),
     (["--device", "foo"], "--device foo: choose cpu or cuda"),
+    (["--model", "--profile", "-2"], "argument --profile: -2 is not >= 0"),  # crashed after the timed run
+    (["--model", "--scale", "inf"], "argument --scale: inf is not a finite number"),  # OverflowError
+    (["--steps", "3"], "--steps applies to --model only; add --model or drop it"),  # silently ignored
+    (["--precision", "bf16-mixed"], "--precision applies to --model only"),
+    (["--profile", "2"], "--profile applies to --model only"),
+    (["--model", "--repeats", "3"], "--repeats applies to the layer benchmark only; drop it or --model"),
+    (["--model", "--methods", "uniform"], "--methods applies to the layer benchmark only"),
+    (["--model", "--max-cases", "1"], "--max-cases applies to the layer benchmark only"),
 ])
-def test_bad_arguments_are_refused_before_anything_is_written(args, message, tmp_path, capsys):
+def test_bad_arguments_are_refused_before_anything_is_written(args, message, tmp_path, capsys, monkeypatch):
     """A typo in --methods wrote result files without results over the committed ones; 0 or negative sizes failed
     deep inside, or silently meant the default."""
+    monkeypatch.setattr(bench, "copy_bandwidth", lambda *a, **k: pytest.fail("ran before refusing the arguments"))
     with pytest.raises(SystemExit) as info:
         bench.main([*args, "--out", str(tmp_path / "out")])
     assert info.value.code == 2 and message in capsys.readouterr().err
@@ -151,3 +160,123 @@ def test_rows_choice_picks_each_phases_faster_kernels_over_the_cases_that_timed_
     slower = [{**r, "ms": r["ms"] * 10} if r["method"] == "uniform" and "ms" in r else r for r in rows]
     assert rows_choice(slower) == "rows"
     assert rows_choice([r for r in rows if r["method"] != ROWS]) is None
+
+
+@pytest.mark.parametrize("model", [False, True])
+def test_an_unusable_out_folder_is_refused_in_one_line_before_anything_is_timed(model, tmp_path, capsys, monkeypatch):
+    """--out naming a file (or a folder that cannot be created) ended in a traceback after the whole run."""
+    monkeypatch.setattr(bench, "run_case", lambda *a, **k: pytest.fail("timed before checking --out"))
+    monkeypatch.setattr(bench, "copy_bandwidth", lambda *a, **k: pytest.fail("timed before checking --out"))
+    taken = tmp_path / "a-file"
+    taken.write_text("")
+    for out in (taken, taken / "sub"):
+        with pytest.raises(SystemExit) as info:
+            bench.main(["--device", "cpu", *(["--model"] if model else []), "--out", str(out)])
+        err = capsys.readouterr().err
+        assert info.value.code == 2 and f"--out {out}: cannot write results there" in err and "Traceback" not in err
+
+
+def _fake_layer_run(monkeypatch):
+    """The layer benchmark's main without timing anything: one canned row per call."""
+    monkeypatch.setattr(bench, "copy_bandwidth", lambda device: 1e10)
+    monkeypatch.setattr(bench, "run_case", lambda case, *a, **k: [
+        {"case": case.name, "method": "uniform", "phase": "fwd+bwd", "ms": 2.0, "floor_ms": 1.0, "x_floor": 2.0,
+         "labels_active": 0.5}])
+
+
+def test_an_interrupted_write_leaves_the_previous_results_whole(tmp_path, capsys, monkeypatch):
+    """The .json and .md were written in place: a full disk (or a Ctrl+C) mid-write left a truncated file, or a
+    new .json beside the old .md; the error was a traceback."""
+    import builtins
+    import errno
+    import io
+
+    _fake_layer_run(monkeypatch)
+    old = {tmp_path / "cpu.json": '{"old": 1}\n', tmp_path / "cpu.md": "# old\n"}
+    for path, text in old.items():
+        path.write_text(text)
+    real_open = io.open
+
+    class HalfWriter:  # writes half of what it is given, then finds the disk full
+        def __init__(self, f):
+            self.f = f
+
+        def write(self, text):
+            self.f.write(text[: len(text) // 2])
+            self.f.flush()
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            self.f.close()
+
+        def __getattr__(self, name):
+            return getattr(self.f, name)
+
+    writes = []
+
+    def failing_open(file, mode="r", *args, **kwargs):
+        f = real_open(file, mode, *args, **kwargs)
+        if "w" in mode and str(file).startswith(str(tmp_path)):
+            writes.append(file)
+            if len(writes) == 2:  # the second file of the pair
+                return HalfWriter(f)
+        return f
+
+    monkeypatch.setattr(io, "open", failing_open)
+    monkeypatch.setattr(builtins, "open", failing_open)
+    try:
+        code = bench.main(["--device", "cpu", "--max-cases", "1", "--out", str(tmp_path)])
+    except OSError:
+        code = "traceback"
+    monkeypatch.undo()
+    assert {path: path.read_text() for path in old} == old
+    assert code == 1 and "error: cannot write" in capsys.readouterr().err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["cpu.json", "cpu.md"]  # no temporary file left
+
+
+def test_ctrl_c_during_the_run_ends_in_one_line_and_writes_nothing(tmp_path, capsys, monkeypatch):
+    _fake_layer_run(monkeypatch)
+
+    def interrupted(*a, **k):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(bench, "run_case", interrupted)
+    try:
+        code = bench.main(["--device", "cpu", "--out", str(tmp_path)])
+    except KeyboardInterrupt:
+        code = "traceback"
+    assert code == 130
+    assert "error: interrupted (Ctrl+C)" in capsys.readouterr().err and not list(tmp_path.iterdir())
+
+
+def test_results_are_written_whole_as_a_pair(tmp_path, monkeypatch):
+    _fake_layer_run(monkeypatch)
+    assert bench.main(["--device", "cpu", "--max-cases", "1", "--out", str(tmp_path)]) == 0
+    assert json.loads((tmp_path / "cpu.json").read_text())["results"][0]["ms"] == 2.0
+    assert "| uniform | fwd+bwd | 2.000 |" in (tmp_path / "cpu.md").read_text()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["cpu.json", "cpu.md"]
+
+
+def test_results_record_the_commit_they_measured(tmp_path, monkeypatch):
+    """The files named machine, torch and date but not the code: the READMEs quoted commits by hand."""
+    from xmc_repro import bench_model
+    from xmc_repro.tracking import git_commit
+
+    info = bench.machine_info(torch.device("cpu"), 1e10)
+    assert info["commit"] == git_commit() and info["commit"] != ""
+    monkeypatch.setenv("XMC_GIT_COMMIT", "0123abcd")  # scripts/gpu_all.sh on a lent machine
+    info = bench.machine_info(torch.device("cpu"), 1e10)
+    assert info["commit"] == "0123abcd"
+    assert "commit `0123abcd`" in bench.markdown(info, [])
+    assert "commit `0123abcd`" in bench_model.markdown(info, [], 0.02)
+
+
+def test_the_h200_section_quotes_the_copy_bandwidth_its_file_measured():
+    """results/bench/README.md said 4.0 TB/s (the later headline run's) for nvidia-h200.json's 3,834 GB/s."""
+    text = (ROOT / "results" / "bench" / "README.md").read_text()
+    quoted = float(re.search(r"`nvidia-h200\.\*`.*?copy bandwidth measured ([\d.]+) TB/s", text, re.S).group(1))
+    measured = json.loads((ROOT / "results" / "bench" / "nvidia-h200.json").read_text())["machine"]
+    assert quoted == round(measured["copy_bandwidth_gb_s"] / 1e3, 1)

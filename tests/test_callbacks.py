@@ -196,3 +196,18 @@ def test_the_step_times_script_gives_each_curves_quarters_in_order(tmp_path):
     assert len(out.splitlines()) == 3 and len(rows) == 1
     # logged at steps 800 (9.0) down to 100 (2.5): in step order 2.5, 2.0 | 3.5, 3.0 | 4.0, 5.0 | 7.0, 9.0
     assert rows[0].endswith("| 32-true | compiled-cuda | 8 | 2.25 / 3.25 / 4.50 / 8.00 | 3.75 |")
+
+
+def test_the_step_times_script_refuses_a_missing_store_instead_of_creating_it(tmp_path):
+    """A mistyped store path made MLflow create an empty database (and its folder): an empty table, exit 0."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "scripts" / "step_times.py"
+    missing = tmp_path / "typo" / "runs.db"
+    done = subprocess.run([sys.executable, str(script), f"sqlite:///{missing}"], capture_output=True, text=True)
+    assert done.returncode == 2 and f"sqlite:///{missing}: no such database" in done.stderr
+    assert "Traceback" not in done.stderr and not missing.parent.exists()
+    done = subprocess.run([sys.executable, str(script), "--help"], capture_output=True, text=True)  # was a store
+    assert done.returncode == 0 and "usage:" in done.stdout

@@ -22,8 +22,11 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import os
 import platform
 import statistics
+import sys
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,6 +35,7 @@ import warnings
 
 import torch
 
+from xmc_repro.errors import StorageError
 from xmc_repro.sparse import op as sparse_op
 from xmc_repro.sparse import reference
 from xmc_repro.sparse.rewire import redraw_sources
@@ -374,7 +378,10 @@ def run_case(case: Case, device, bandwidth: float, warmup: int, repeats: int, me
 
 
 def machine_info(device, bandwidth: float, l2: float | None = None) -> dict:
-    info = {"date": datetime.datetime.now().isoformat(timespec="seconds"), "torch": torch.__version__,
+    from xmc_repro.tracking import git_commit  # the code measured ("-dirty" with uncommitted changes)
+
+    info = {"date": datetime.datetime.now().isoformat(timespec="seconds"), "commit": git_commit(),
+            "torch": torch.__version__,
             "cuda": torch.version.cuda, "python": platform.python_version(), "host_cpu": platform.processor() or
             platform.machine(), "cpu_threads": torch.get_num_threads(), "device": device.type,
             "copy_bandwidth_gb_s": bandwidth / 1e9, "l2_bandwidth_gb_s": l2 / 1e9 if l2 else None,
@@ -404,8 +411,8 @@ def _fmt(v, spec):
 def markdown(info: dict, rows: list[dict]) -> str:
     where = info.get("card") or f"CPU: {info['host_cpu']} ({info['cpu_threads']} threads)"
     lines = [f"# Sparse layer benchmark — {where}", "",
-             f"torch {info['torch']} (CUDA {info['cuda']}), sparse backend `{info['sparse_backend']}`, "
-             f"measured copy bandwidth {info['copy_bandwidth_gb_s']:.0f} GB/s"
+             f"commit `{info.get('commit', 'unknown')}`, torch {info['torch']} (CUDA {info['cuda']}), sparse backend "
+             f"`{info['sparse_backend']}`, measured copy bandwidth {info['copy_bandwidth_gb_s']:.0f} GB/s"
              + (f", L2 read bandwidth {info['l2_bandwidth_gb_s']:.0f} GB/s" if info.get("l2_bandwidth_gb_s") else "")
              + f", {info['date']}.", "",
              "Times are medians in ms; `x floor` = time / (bytes that must move / copy bandwidth); `x L2` = time / "
@@ -458,18 +465,69 @@ def rows_choice(rows: list[dict], op: str = "uniform", candidates: str = ROWS) -
     return "rows" if len(faster) == len(sparse_op.ROWS_PHASES) else "rows:" + ",".join(faster)
 
 
-def _positive(kind):
-    """argparse type: a number > 0 (0 would time nothing, or silently mean the default)."""
+def _positive(kind, zero: bool = False, finite: bool = True):
+    """argparse type: a finite number > 0 (0 would time nothing, or silently mean the default; infinity overflows
+    the shapes), or >= 0 with ``zero``."""
     def parse(text: str):
         value = kind(text)
-        if not value > 0:
-            raise argparse.ArgumentTypeError(f"{text} is not > 0")
+        if not (value >= 0 if zero else value > 0):
+            raise argparse.ArgumentTypeError(f"{text} is not >= 0" if zero else f"{text} is not > 0")
+        if finite and value == float("inf"):
+            raise argparse.ArgumentTypeError(f"{text} is not a finite number")
         return value
     parse.__name__ = kind.__name__  # argparse names the type in its message
     return parse
 
 
+def usable_out(out: Path) -> str | None:
+    """Why the results cannot be written to the folder ``out`` (created here if missing), or None when they can:
+    checked before anything is timed, so that a bad ``--out`` does not throw a whole run's measurements away."""
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=out):
+            pass
+    except OSError as exc:
+        return exc.strerror or str(exc)
+    return None
+
+
+def write_results(files: dict[Path, str]) -> None:
+    """Writes each text to its path so that an interruption (Ctrl+C, a kill, a full disk) never leaves a truncated
+    file: every text goes to a temporary file in the same folder first, and only once all are written are they
+    renamed over the results (a new .json beside an old .md only if the process dies between two renames)."""
+    temps: dict[Path, Path] = {}
+    path = next(iter(files))
+    try:
+        for path, text in files.items():
+            tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+            temps[path] = tmp
+            with open(tmp, "w", encoding="utf-8") as f:
+                f.write(text)
+                f.flush()
+                os.fsync(f.fileno())
+        for path, tmp in temps.items():
+            os.replace(tmp, path)
+    except OSError as exc:
+        raise StorageError(f"cannot write {path} ({exc.strerror or exc}); the results there are unchanged: free "
+                           "some space or give another --out") from None
+    finally:
+        for tmp in temps.values():
+            tmp.unlink(missing_ok=True)
+
+
 def main(argv: list[str] | None = None) -> int:
+    """The command line; a failed write of the results or a Ctrl+C ends in one line, not a traceback."""
+    try:
+        return _main(argv)
+    except StorageError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("error: interrupted (Ctrl+C); no results file is left half-written", file=sys.stderr)
+        return 130
+
+
+def _main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m xmc_repro.bench", description=__doc__.split("\n")[0])
     ap.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
     ap.add_argument("--full", action="store_true", help="the paper's shapes (default on a GPU)")
@@ -477,18 +535,27 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--methods", default=None,
                     help=f"comma list from {','.join(ALL)}, on a GPU also {','.join(ON_REQUEST)} (default: per case)")
     ap.add_argument("--max-cases", type=_positive(int), default=None, help="run only the first N cases")
-    ap.add_argument("--budget-s", type=_positive(float), default=None, help="start no new case after this many seconds")
+    ap.add_argument("--budget-s", type=_positive(float, finite=False), default=None, help="start no new case after this many seconds")
     ap.add_argument("--warmup", type=int, default=None, help="default 3 on a GPU, 1 on CPU")
     ap.add_argument("--repeats", type=_positive(int), default=None, help="default 10 on a GPU, 5 on CPU")
     ap.add_argument("--model", action="store_true", help="time the whole model's training step, dense and uniform")
     ap.add_argument("--scale", type=_positive(float), default=None,
                     help="--model: shrink labels and intermediate layer by this factor (default 1 on a GPU, 0.02 on CPU)")
     ap.add_argument("--steps", type=_positive(int), default=None, help="--model: timed steps (default 50 on a GPU, 5 on CPU)")
-    ap.add_argument("--profile", type=int, default=0, metavar="STEPS",
+    ap.add_argument("--profile", type=_positive(int, zero=True), default=0, metavar="STEPS",
                     help="--model: also profile the uniform model's steps (torch.profiler) over STEPS steps")
     ap.add_argument("--precision", default=None,
                     help="--model: comma list of 32-true, bf16-mixed (default both on a GPU, 32-true on CPU)")
     args = ap.parse_args(argv)
+    # An option of the other benchmark was silently ignored (--steps 3 without --model timed the default repeats).
+    model_only = {"--scale": args.scale, "--steps": args.steps, "--profile": args.profile or None,
+                  "--precision": args.precision}
+    layer_only = {"--full": args.full or None, "--methods": args.methods, "--max-cases": args.max_cases,
+                  "--budget-s": args.budget_s, "--repeats": args.repeats}
+    for option, value in (layer_only if args.model else model_only).items():
+        if value is not None:
+            ap.error(f"{option} applies to the layer benchmark only; drop it or --model" if args.model else
+                     f"{option} applies to --model only; add --model or drop it")
     if args.warmup is not None and args.warmup < 0:
         ap.error(f"--warmup {args.warmup}: give 0 or more untimed runs")
     if args.device not in (None, "cpu", "cuda"):
@@ -504,6 +571,9 @@ def main(argv: list[str] | None = None) -> int:
         if unknown:  # a typo would write result files without results over the committed ones
             ap.error(f"--methods: {', '.join(unknown)} is not one of {', '.join(known)}"
                      + ("" if on_gpu else f" ({', '.join(ON_REQUEST)}: on a GPU only)"))
+    problem = usable_out(Path(args.out))
+    if problem:
+        ap.error(f"--out {args.out}: cannot write results there ({problem}); give a writable folder")
     sparse_op.ensure_registered()
     if args.model:
         from xmc_repro import bench_model
@@ -536,8 +606,8 @@ def main(argv: list[str] | None = None) -> int:
     name = slug(info)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / f"{name}.json").write_text(json.dumps({"machine": info, "results": rows}, indent=1) + "\n")
-    (out / f"{name}.md").write_text(markdown(info, rows))
+    write_results({out / f"{name}.json": json.dumps({"machine": info, "results": rows}, indent=1) + "\n",
+                   out / f"{name}.md": markdown(info, rows)})
     print(f"wrote {out / name}.json and .md")
     print(summary(rows))
     choice = rows_choice(rows)

@@ -321,7 +321,8 @@ def measure_lightning(shape: ModelShape, device, steps: int, warmup: int, precis
 def markdown(info: dict, rows: list[dict], scale: float) -> str:
     where = info.get("card") or f"CPU: {info['host_cpu']} ({info['cpu_threads']} threads)"
     lines = [f"# Whole-model training step — {where}", "",
-             f"torch {info['torch']} (CUDA {info['cuda']}), sparse backend `{info['sparse_backend']}`, {info['date']}"
+             f"commit `{info.get('commit', 'unknown')}`, torch {info['torch']} (CUDA {info['cuda']}), sparse backend "
+             f"`{info['sparse_backend']}`, {info['date']}"
              + (f", load average {info['load_average_1min']} during the run" if "load_average_1min" in info else "")
              + ". "
              f"Amazon-670K's shapes scaled by {scale:g}; batch 32. Times in ms; `step ms` = mean over all timed "
@@ -386,7 +387,7 @@ def run(device, scale: float, steps: int, warmup: int, out: Path, profile_steps:
         precisions: tuple[str, ...] = ("32-true",)) -> int:
     from omegaconf import OmegaConf
 
-    from xmc_repro.bench import copy_bandwidth, machine_info, slug
+    from xmc_repro.bench import copy_bandwidth, machine_info, slug, write_results
     from xmc_repro.resources import resource_dir
     from xmc_repro.train import limit_cublas_workspace
 
@@ -410,9 +411,9 @@ def run(device, scale: float, steps: int, warmup: int, out: Path, profile_steps:
                     rows.append(measure(shape, device, steps, warmup, way, precision))
     name = f"{slug(info)}-model" + ("" if scale == 1 else f"-scale{scale:g}")
     out.mkdir(parents=True, exist_ok=True)
-    (out / f"{name}.json").write_text(json.dumps({"machine": info, "scale": scale, "results": rows}, indent=1) + "\n")
     text = markdown(info, rows, scale)
-    (out / f"{name}.md").write_text(text)
+    write_results({out / f"{name}.json": json.dumps({"machine": info, "scale": scale, "results": rows}, indent=1) + "\n",
+                   out / f"{name}.md": text})
     print(f"wrote {out / name}.json and .md\n")
     print(text)
     if profile_steps:
@@ -420,6 +421,6 @@ def run(device, scale: float, steps: int, warmup: int, out: Path, profile_steps:
         reports = [profile(uniform, device, way, precision, profile_steps, warmup,
                            out / f"{name}-trace-{way}-{precision}.json.gz")
                    for precision in precisions for way in ways]
-        (out / f"{name}-profile.txt").write_text("".join(summary + table for summary, table in reports))
+        write_results({out / f"{name}-profile.txt": "".join(summary + table for summary, table in reports)})
         print("".join(summary for summary, _ in reports) + f"(tables in {out / name}-profile.txt)")
     return 0
