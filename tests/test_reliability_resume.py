@@ -211,3 +211,22 @@ def test_prepare_starts_new_runs_and_refuses_resume_in_a_sweep():
     assert prepare(fresh, explicit=[], multirun=True) == (fresh, None, None)
     with pytest.raises(ConfigError, match="continues one run: run it without -m"):
         prepare(OmegaConf.create({"resume": "abc"}), explicit=["resume"], multirun=True)
+
+
+def test_final_results_recorded_again_by_a_resume_are_logged_once(tmp_path, store):
+    """Killed after logging its final test/train metrics but before being marked FINISHED, a run resumed with
+    resume= tests again and logged every final metric a second time at step 0."""
+    from mlflow.tracking import MlflowClient
+
+    from xmc_repro.tracking import RunTracker
+
+    copy_store(store, tmp_path)
+    uri = f"sqlite:///{tmp_path / 'mlruns.db'}"
+    killed = RunTracker(uri, "e")
+    killed.log_metrics({"test/p_at_1": 41.5, "epochs": 3})  # then SIGKILL: the run stays RUNNING
+    resumed = RunTracker(uri, "e", run_id=killed.run_id)
+    resumed.log_metrics({"test/p_at_1": 41.5, "epochs": 3, "train/p_at_1": 40.0})
+    resumed.finish("FINISHED")
+    client = MlflowClient(uri)
+    for key in ("test/p_at_1", "epochs", "train/p_at_1"):
+        assert [m.step for m in client.get_metric_history(killed.run_id, key)] == [0], key

@@ -206,3 +206,41 @@ def test_a_resumed_run_logs_a_replayed_step_once(tmp_path, tmp_path_factory):
     assert sorted(history("val/p_at_3")) == [(312, 4.0), (625, 7.0)]
     assert sorted(history("train/loss_epoch")) == [(312, 0.5), (625, 0.5)]  # not logged before: logged
     resumed.finish("FINISHED")
+
+
+_KILLED_WHILE_CREATING_THE_STORE = """
+import os, signal, sys
+from alembic.operations import Operations
+
+create_table = Operations.create_table
+
+def killed_after(self, name, *args, **kwargs):  # MLflow's migrations commit part-way: past such a commit
+    result = create_table(self, name, *args, **kwargs)
+    if name == "secrets":
+        os.kill(os.getpid(), signal.SIGKILL)
+    return result
+
+Operations.create_table = killed_after
+from xmc_repro.tracking import RunTracker
+RunTracker(sys.argv[1], "e")
+"""
+
+
+def test_a_process_killed_while_creating_the_store_leaves_it_usable(tmp_path):
+    """SIGKILL among MLflow's schema migrations (the first run in a directory) left a half-made mlruns.db that
+    every later run refused ("table secrets already exists"): the store is made in a temporary file, renamed
+    whole."""
+    import subprocess
+    import sys
+
+    from test_reliability_common import cli_env
+
+    uri = f"sqlite:///{tmp_path / 'mlruns.db'}"
+    killed = subprocess.run([sys.executable, "-c", _KILLED_WHILE_CREATING_THE_STORE, uri], env=cli_env(),
+                            capture_output=True, text=True, timeout=300)
+    assert killed.returncode == -9, killed.stderr[-3000:]
+    assert not (tmp_path / "mlruns.db").exists()  # nothing half-made where the store goes
+    tracker = tracking.RunTracker(uri, "e")
+    tracker.finish("FINISHED")
+    assert [r.info.status for r in runs(tmp_path)] == ["FINISHED"]
+    assert not (tmp_path / "mlruns.db.init.tmp").exists()

@@ -126,6 +126,26 @@ def store_lock(tracking_uri: str):
             fcntl.flock(handle, fcntl.LOCK_UN)
 
 
+def create_store_whole(tracking_uri: str) -> None:
+    """Create a sqlite store that does not exist yet in a temporary file, renamed into place once MLflow's schema is
+    complete. MLflow's migrations are not one transaction (some commit part-way): a process killed among them
+    would leave a store that every later run refuses ("table ... already exists"). Call under `store_lock`."""
+    path = sqlite_path(tracking_uri)
+    if path is None or path.exists():
+        return
+    tmp = path.with_name(path.name + ".init.tmp")
+    for leftover in (tmp, tmp.with_name(tmp.name + "-journal")):  # from a process killed while creating it
+        leftover.unlink(missing_ok=True)
+    query = tracking_uri.partition("?")[1:]
+    tmp_uri = f"sqlite:///{tmp}{''.join(query)}"
+    client = MlflowClient(tmp_uri)
+    client.search_experiments()  # creates the schema
+    engine = getattr(getattr(getattr(client, "_tracking_client", None), "store", None), "engine", None)
+    if engine is not None:
+        engine.dispose()  # no connection left open on the file being renamed
+    os.replace(tmp, path)
+
+
 def check_store(tracking_uri: str, setting: str = "logger.tracking_uri=") -> None:
     """Fail fast, in one line starting with `setting` and the URI, where MLflow would spend minutes retrying: a
     sqlite store whose file is a folder, or an http(s) server that does not answer (MLflow's retries are bounded
@@ -209,6 +229,7 @@ class RunTracker:
         self.reopened = run_id is not None  # a resumed run: what it logged before may be logged again
         check_store(tracking_uri)
         with store_lock(tracking_uri), _quiet("mlflow.store.db.utils", "alembic"):  # schema creation chatter
+            create_store_whole(tracking_uri)
             self.client = MlflowClient(tracking_uri)
             self.experiment_id = with_retries(self._experiment, experiment_name)
         if run_id is None:
@@ -283,7 +304,12 @@ class RunTracker:
             with_retries(self.client.log_batch, self.run_id, tags=tag_list)
 
     def log_metrics(self, metrics: dict[str, float], step: int = 0) -> None:
+        """Log at `step`; in a reopened run, a metric already logged at that step is not logged again (a run killed
+        after recording its final results, before being marked FINISHED, records them again when resumed)."""
         now = int(time.time() * 1000)
+        if self.reopened:
+            metrics = {k: v for k, v in metrics.items()
+                       if step not in {m.step for m in with_retries(self.client.get_metric_history, self.run_id, k)}}
         batch = [Metric(k, float(v), now, step) for k, v in metrics.items() if v is not None]
         if batch:
             with_retries(self.client.log_batch, self.run_id, metrics=batch)
