@@ -148,6 +148,48 @@ def test_resume_names_what_is_missing(tmp_path, monkeypatch):
         checkpoints.read(resume_checkpoint(str(tmp_path / "junk.ckpt")))
 
 
+CREATED_THEN_KILLED = """
+import os, sys
+from xmc_repro.tracking import RunTracker
+print(RunTracker(sys.argv[1], "e").run_id, flush=True)
+os._exit(0)  # as a SIGKILL between the run's creation and its folder: no folder, the run RUNNING
+"""
+
+
+def test_a_run_killed_before_its_folder_existed_is_closed_by_resume(tmp_path, store, monkeypatch):
+    """Created in MLflow, killed before `checkpoints/<id>/` existed: resume= said the run was not in this directory
+    and left it RUNNING for good. Its tag `started_by` names the process, gone, and this folder: resume closes it."""
+    import subprocess
+    import sys
+
+    from mlflow.tracking import MlflowClient
+
+    from test_reliability_common import cli_env
+    from xmc_repro.resume import resume_checkpoint
+    from xmc_repro.tracking import RunTracker
+
+    copy_store(store, tmp_path)
+    monkeypatch.chdir(tmp_path)
+    uri = f"sqlite:///{tmp_path / 'mlruns.db'}"
+    made = subprocess.run([sys.executable, "-c", CREATED_THEN_KILLED, uri], cwd=tmp_path, env=cli_env(),
+                          capture_output=True, text=True, timeout=120)
+    run_id = made.stdout.split()[-1]
+    with pytest.raises(ConfigError, match=rf"^resume={run_id}: run {run_id} stopped before its first checkpoint .* "
+                                          "now marked FAILED"):
+        resume_checkpoint(run_id, uri)
+    client = MlflowClient(uri)
+    assert client.get_run(run_id).info.status == "FAILED"
+    alive = RunTracker(uri, "e")  # started by this process, which lives: still starting
+    with pytest.raises(ConfigError, match=rf"run {alive.run_id} is still being started by process \d+"):
+        resume_checkpoint(alive.run_id, uri)
+    (tmp_path / "elsewhere").mkdir()
+    monkeypatch.chdir(tmp_path / "elsewhere")  # started in another folder: may be alive there; not touched
+    with pytest.raises(ConfigError, match="neither a checkpoint file nor a run with"):
+        resume_checkpoint(alive.run_id, uri)
+    assert client.get_run(alive.run_id).info.status == "RUNNING"
+    alive.finish("FINISHED")
+
+
 def test_an_empty_resume_or_fewer_epochs_than_done_are_refused_before_the_run_is_touched(tmp_path):
     """`resume=` with an unset variable would start a new run; `trainer.max_epochs` below the epochs a checkpoint has
     completed failed inside Lightning, with a traceback, after the run was reopened."""

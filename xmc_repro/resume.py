@@ -3,7 +3,8 @@ with the run's own settings; only settings that do not change what is trained ma
 
 A run killed before its first checkpoint has nothing to continue: `resume=<its id>` closes it as FAILED
 (it would otherwise stay RUNNING forever) and says so. A run's folder holds its writer lock
-(`checkpoints.RunLock`), which tells a dead run from one that is still training towards its first checkpoint.
+(`checkpoints.RunLock`), which tells a dead run from one that is still training towards its first checkpoint;
+a run killed before its folder existed is told by the process its tag `started_by` names.
 """
 
 from __future__ import annotations
@@ -55,6 +56,9 @@ def resume_checkpoint(value, tracking_uri: str | None = None) -> Path:
                           f"from that checkpoint's epoch with resume={run_dir / others[0]}")
     if run_dir.is_dir() and tracking_uri is not None:
         raise ConfigError(f"resume={value}: {close_orphan(tracking_uri, str(value), run_dir)}")
+    unstarted = close_unstarted(tracking_uri, str(value)) if tracking_uri is not None else None
+    if unstarted:
+        raise ConfigError(f"resume={value}: {unstarted}")
     raise ConfigError(
         f"resume={value}: neither a checkpoint file nor a run with {by_run} in {Path.cwd()}; pass the run id from "
         "the directory the run was started in, or the path of its last.ckpt"
@@ -79,18 +83,61 @@ def close_orphan(tracking_uri: str, run_id: str, run_dir: Path) -> str:
                 "to the store the run was started with, or start a new run")
     status = run.info.status
     if status == "RUNNING":
-        message = "stopped before its first checkpoint (the process was killed); nothing to resume"
-        try:
-            with_retries(client.set_tag, run_id, "error", message)
-            with_retries(client.set_terminated, run_id, "FAILED")
-        except Exception as error:
-            reason = " ".join(f"{type(error).__name__}: {error}".split())[:200]
-            return f"run {run_id} {message}; marking it FAILED failed ({reason}): retry once the store is writable"
-        return (f"run {run_id} {message}, so it is now marked FAILED; start it again without resume= "
-                "(set trainer.checkpoint_every_n_steps to checkpoint within an epoch)")
+        return _mark_failed(client, run_id)
     why = run.data.tags.get("error")
     return (f"run {run_id} ended {status} before its first checkpoint{f' ({why})' if why else ''}; nothing to "
             "resume: start it again without resume=")
+
+
+def close_unstarted(tracking_uri: str, run_id: str) -> str | None:
+    """A run with no folder here: one killed between its creation in MLflow and its folder (a few ms; SIGTERM and
+    Ctrl+C wait for the folder, SIGKILL cannot) is RUNNING, was started in this folder on this machine, and its
+    process is gone: it is marked FAILED. None for any other run (one started elsewhere may be alive)."""
+    from mlflow.tracking import MlflowClient
+
+    from xmc_repro.report.records import STARTED_BY
+    from xmc_repro.tracking import sqlite_path, started_by, with_retries
+
+    store = sqlite_path(tracking_uri)
+    if store is not None and not store.is_file():
+        return None  # no store here (and MLflow would create one)
+    client = MlflowClient(tracking_uri)
+    try:
+        run = with_retries(client.get_run, run_id)
+    except Exception:
+        return None
+    pid, _, place = run.data.tags.get(STARTED_BY, "").partition("@")
+    if run.info.status != "RUNNING" or not pid.isdigit() or place != started_by().partition("@")[2]:
+        return None
+    if _alive(int(pid)):
+        return (f"run {run_id} is still being started by process {pid}; wait for its first checkpoint (every epoch, "
+                "or trainer.checkpoint_every_n_steps)")
+    return _mark_failed(client, run_id)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
+
+
+def _mark_failed(client, run_id: str) -> str:
+    """Mark a RUNNING run whose process is gone FAILED; the line that says so."""
+    from xmc_repro.tracking import with_retries
+
+    message = "stopped before its first checkpoint (the process was killed); nothing to resume"
+    try:
+        with_retries(client.set_tag, run_id, "error", message)
+        with_retries(client.set_terminated, run_id, "FAILED")
+    except Exception as error:
+        reason = " ".join(f"{type(error).__name__}: {error}".split())[:200]
+        return f"run {run_id} {message}; marking it FAILED failed ({reason}): retry once the store is writable"
+    return (f"run {run_id} {message}, so it is now marked FAILED; start it again without resume= "
+            "(set trainer.checkpoint_every_n_steps to checkpoint within an epoch)")
 
 
 def note_started(run_id: str, tracking_uri: str, run_dir: Path) -> None:

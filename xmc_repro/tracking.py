@@ -35,7 +35,7 @@ from mlflow.tracking import MlflowClient
 from omegaconf import DictConfig, OmegaConf
 
 from xmc_repro.errors import ConfigError
-from xmc_repro.report.records import RESUMED_PREFIX
+from xmc_repro.report.records import RESUMED_PREFIX, STARTED_BY
 
 try:
     import fcntl
@@ -124,6 +124,11 @@ def store_lock(tracking_uri: str):
             yield
         finally:
             fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def started_by() -> str:
+    """`<pid>@<host>:<folder>`: the process creating a run, for the tag STARTED_BY."""
+    return f"{os.getpid()}@{platform.node()}:{Path.cwd().resolve()}"
 
 
 def create_store_whole(tracking_uri: str) -> None:
@@ -233,7 +238,10 @@ class RunTracker:
             self.client = MlflowClient(tracking_uri)
             self.experiment_id = with_retries(self._experiment, experiment_name)
         if run_id is None:
-            run_id = with_retries(self.client.create_run, self.experiment_id, run_name=run_name).info.run_id
+            # created with the process that made it, so that a kill before its folder exists can be told apart
+            # from a run still starting (resume.close_unstarted)
+            run_id = with_retries(self.client.create_run, self.experiment_id, run_name=run_name,
+                                  tags={STARTED_BY: started_by()}).info.run_id
             if run_name:  # a piece of the id keeps names unique when a configuration runs again
                 with_retries(self.client.update_run, run_id, name=f"{run_name} {run_id[:4]}")
         else:

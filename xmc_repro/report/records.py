@@ -20,6 +20,7 @@ RECORDS_DIR = Path("results") / "records"
 DEFAULT_TRACKING_URI = "sqlite:///mlruns.db"  # as conf/logger/mlflow.yaml: relative to the working directory
 REQUIRED = ("run_id", "status", "params", "metrics", "tags")
 RESUMED_PREFIX = "resumed/"  # tag of a setting that a resume changed: `resumed/trainer/max_epochs`
+STARTED_BY = "started_by"  # tag `<pid>@<host>:<folder>` of the process that created the run; local, not recorded
 
 
 def iso_time(milliseconds: int | None) -> str:
@@ -30,7 +31,7 @@ def iso_time(milliseconds: int | None) -> str:
 
 
 def record_of_run(run) -> dict:
-    """The record of an MLflow run. MLflow's own tags (`mlflow.user`, source paths) are left out."""
+    """The record of an MLflow run. MLflow's own tags (`mlflow.user`, source paths) and `started_by` are left out."""
     info, data = run.info, run.data
     return {
         "run_id": info.run_id,
@@ -40,7 +41,7 @@ def record_of_run(run) -> dict:
         "end_time": iso_time(info.end_time),
         "params": dict(data.params),
         "metrics": dict(data.metrics),
-        "tags": {k: v for k, v in data.tags.items() if not k.startswith("mlflow.")},
+        "tags": {k: v for k, v in data.tags.items() if not k.startswith("mlflow.") and k != STARTED_BY},
         "source": "mlflow",
     }
 
