@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import statistics
-from pathlib import Path
 
 
 def quarters(values: list[float]) -> list[float]:
@@ -45,7 +44,10 @@ def cli(argv: list[str] | None = None) -> None:
                     help="MLflow tracking URI of the runs (default sqlite:///mlruns.db)")
     args = ap.parse_args(argv)
     # MLflow creates a missing SQLite store (and its folder): a mistyped path printed an empty table, exit 0.
-    if args.store.startswith("sqlite:///") and not Path(args.store[len("sqlite:///"):]).is_file():
+    from xmc_repro.tracking import sqlite_path
+
+    database = sqlite_path(args.store)
+    if database is not None and not database.is_file():
         ap.error(f"{args.store}: no such database; give the store the runs logged to (their MLFLOW_TRACKING_URI)")
     main(args.store)
 

@@ -209,5 +209,11 @@ def test_the_step_times_script_refuses_a_missing_store_instead_of_creating_it(tm
     done = subprocess.run([sys.executable, str(script), f"sqlite:///{missing}"], capture_output=True, text=True)
     assert done.returncode == 2 and f"sqlite:///{missing}: no such database" in done.stderr
     assert "Traceback" not in done.stderr and not missing.parent.exists()
+    store = tmp_path / "runs.db"
+    from mlflow.tracking import MlflowClient
+
+    MlflowClient(f"sqlite:///{store}").search_experiments()  # an existing store, named with sqlite's options
+    done = subprocess.run([sys.executable, str(script), f"sqlite:///{store}?timeout=5"], capture_output=True, text=True)
+    assert done.returncode == 0 and "no such database" not in done.stderr, done.stderr[-2000:]
     done = subprocess.run([sys.executable, str(script), "--help"], capture_output=True, text=True)  # was a store
     assert done.returncode == 0 and "usage:" in done.stdout

@@ -158,6 +158,8 @@ def test_two_sweeps_started_in_one_second_get_folders_of_their_own(tmp_path):
         assert len(first) == len(second) == 2, (first, second)  # the run's folder and the sweep's
         if [re.sub(r"-\d{6}$", "", d) for d in first] == [re.sub(r"-\d{6}$", "", d) for d in second]:
             break
+    else:
+        pytest.skip("the two never started within one second")
     assert not set(first) & set(second), (first, second)
 
 

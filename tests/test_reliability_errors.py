@@ -145,6 +145,22 @@ def test_the_sweep_summary_counts_the_jobs_that_failed():
         "sweep finished; all 2 jobs failed: #0 (a=0): x; #1 (a=1): y")
 
 
+def test_the_other_ddp_ranks_of_a_sweeps_job_record_no_outcome(tmp_path, monkeypatch):
+    """Every rank of a DDP job runs it (submitit_slurm with tasks_per_node, srun): each appended `ok`, and a sweep
+    of 2 jobs on 2 ranks each counted 4 jobs ('1 of 4 jobs failed')."""
+    from xmc_repro.entry import OUTCOMES_ENV, _record_outcome
+
+    outcomes = tmp_path / "outcomes.txt"
+    monkeypatch.setenv(OUTCOMES_ENV, str(outcomes))
+    for key in ("RANK", "LOCAL_RANK", "SLURM_PROCID", "NODE_RANK", "SLURM_NTASKS", "TORCHELASTIC_RUN_ID"):
+        monkeypatch.delenv(key, raising=False)
+    _record_outcome("ok")  # rank 0
+    monkeypatch.setenv("RANK", "1")
+    _record_outcome("ok")
+    _record_outcome("failed #0 (seed=1): another rank's reason")
+    assert outcomes.read_text().splitlines() == ["ok"]
+
+
 def test_failed_job_does_not_stop_its_sweep(tmp_path, store):
     copy_store(store, tmp_path)
     result = cli(tmp_path, [*TINY, "trainer.max_epochs=1", "model.connectivity=8,100,4"], multirun=True)

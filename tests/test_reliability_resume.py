@@ -190,6 +190,32 @@ def test_a_run_killed_before_its_folder_existed_is_closed_by_resume(tmp_path, st
     alive.finish("FINISHED")
 
 
+def test_a_pid_reused_since_the_run_was_created_does_not_keep_it_running(tmp_path, store, monkeypatch):
+    """The pid in `started_by` taken by a later process (pid 1 here; after a container's restart, the resuming
+    process itself): resume said the run was still being started, for good."""
+    import os
+
+    import psutil
+    from mlflow.tracking import MlflowClient
+
+    from xmc_repro.resume import resume_checkpoint
+    from xmc_repro.tracking import started_by
+
+    copy_store(store, tmp_path)
+    monkeypatch.chdir(tmp_path)
+    uri = f"sqlite:///{tmp_path / 'mlruns.db'}"
+    client = MlflowClient(uri)
+    experiment = client.create_experiment("reused")
+    place = started_by().partition("@")[2]
+    for pid in (1, os.getpid()):  # live processes, both created after the run below
+        created = psutil.Process(pid).create_time()
+        run = client.create_run(experiment, start_time=int((created - 60) * 1000),  # a minute before the process
+                                tags={"started_by": f"{pid}@{place}"})
+        with pytest.raises(ConfigError, match="now marked FAILED"):
+            resume_checkpoint(run.info.run_id, uri)
+        assert client.get_run(run.info.run_id).info.status == "FAILED"
+
+
 def test_an_empty_resume_or_fewer_epochs_than_done_are_refused_before_the_run_is_touched(tmp_path):
     """`resume=` with an unset variable would start a new run; `trainer.max_epochs` below the epochs a checkpoint has
     completed failed inside Lightning, with a traceback, after the run was reopened."""
@@ -272,3 +298,20 @@ def test_final_results_recorded_again_by_a_resume_are_logged_once(tmp_path, stor
     client = MlflowClient(uri)
     for key in ("test/p_at_1", "epochs", "train/p_at_1"):
         assert [m.step for m in client.get_metric_history(killed.run_id, key)] == [0], key
+
+
+def test_final_results_that_changed_on_resume_are_logged(tmp_path, store):
+    """Killed between its final metrics and FINISHED, then resumed with a larger trainer.max_epochs: the results
+    of the longer training were dropped as 'already logged at step 0'; the run showed the first attempt's."""
+    from mlflow.tracking import MlflowClient
+
+    from xmc_repro.tracking import RunTracker
+
+    copy_store(store, tmp_path)
+    uri = f"sqlite:///{tmp_path / 'mlruns.db'}"
+    killed = RunTracker(uri, "e")
+    killed.log_metrics({"test/p_at_1": 41.5, "epochs": 3})
+    resumed = RunTracker(uri, "e", run_id=killed.run_id)
+    resumed.log_metrics({"test/p_at_1": 47.0, "epochs": 10})
+    resumed.finish("FINISHED")
+    assert MlflowClient(uri).get_run(killed.run_id).data.metrics == {"test/p_at_1": 47.0, "epochs": 10.0}

@@ -249,6 +249,30 @@ def test_sigterm_to_a_sweeps_own_process_stops_it_as_ctrl_c_does(tmp_path):
     assert not list(tmp_path.glob("multirun/.*"))  # the sweep's bookkeeping files are gone
 
 
+SIGTERM_HANDLER = """
+import signal, sys
+import xmc_repro.entry as entry
+entry._task = lambda: print(signal.getsignal(signal.SIGTERM) is entry._sigterm_stops_like_ctrl_c, flush=True)
+sys.argv = ["xmc_repro"]
+entry.main()
+"""
+
+
+@pytest.mark.parametrize("ranked, installed", [({}, "True"), ({"RANK": "1", "LOCAL_RANK": "1",
+                                                                "TORCHELASTIC_RUN_ID": "x"}, "False")])
+def test_sigterm_stops_like_ctrl_c_only_outside_other_ddp_ranks(tmp_path, ranked, installed):
+    """A torchrun/srun rank other than 0 runs main too: with the Ctrl+C handler, a SIGTERM inside fit reached
+    Lightning as a KeyboardInterrupt, which ends the rank with a silent exit(1) instead of its own error line."""
+    (tmp_path / "handler.py").write_text(SIGTERM_HANDLER)
+    env = cli_env({"WORLD_SIZE": "2", **ranked})
+    for key in ("RANK", "LOCAL_RANK", "SLURM_PROCID", "TORCHELASTIC_RUN_ID"):
+        if key not in ranked:
+            env.pop(key, None)
+    done = subprocess.run([sys.executable, str(tmp_path / "handler.py")], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and done.stdout.split() == [installed], done.stderr[-2000:]
+
+
 def _state_and_parent(pid: int) -> tuple[str, int] | None:
     try:
         fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()

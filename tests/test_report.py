@@ -718,6 +718,9 @@ def test_stand_ins_compare_models_with_an_intermediate_layer_at_one_width():
     runs = [run("uniform", 62.6, "1024", "2026-01-01"), run("unstructured", 62.4, "1024", "2026-01-02"),
             run("uniform", 62.0, "2048", "2026-01-03")]
     assert best_p1(runs, ("Bibtex", "bow")) == {"uniform + intermediate": 62.6, "unstructured + intermediate": 62.4}
+    reruns = [run("uniform", 62.0, "2048", f"2026-01-0{day}") for day in (3, 4, 5)]  # one model, run again
+    assert best_p1(runs[:2] + reruns, ("Bibtex", "bow")) == {"uniform + intermediate": 62.6,
+                                                             "unstructured + intermediate": 62.4}
 
 
 def _damage(text: str, how: str) -> str:

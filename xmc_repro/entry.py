@@ -170,8 +170,10 @@ def _rank_prefix() -> str:
 
 
 def _record_outcome(line: str) -> None:
+    """One line per job, from rank 0 only: the other DDP ranks of a job (submitit_slurm's tasks, srun, torchrun)
+    run the same job, and rank 0 records it (also when another rank stopped it: `another DDP rank stopped`)."""
     path = os.environ.get(OUTCOMES_ENV)
-    if path:
+    if path and not _rank_prefix():
         Path(path).parent.mkdir(parents=True, exist_ok=True)
         with open(path, "a", encoding="utf-8") as handle:  # one short append per job
             handle.write(" ".join(line.split()) + "\n")
@@ -271,7 +273,11 @@ def main() -> None:
     started = outcomes.with_name(f".runs-{sweep}.txt")
     os.environ[OUTCOMES_ENV] = str(outcomes)  # jobs in other processes inherit it
     os.environ[STARTED_RUNS_ENV] = str(started)
-    signal.signal(signal.SIGTERM, _sigterm_stops_like_ctrl_c)  # a run replaces it while open, then puts it back
+    if not _rank_prefix():  # a run replaces it while open, then puts it back
+        # Not in a DDP rank other than 0 (torchrun, srun start every rank through main): inside fit, Lightning
+        # calls the handler it finds after its own, and a KeyboardInterrupt there ends the rank in a silent
+        # exit(1) instead of its one line `rank N: interrupted (SIGTERM)` and exit status 143.
+        signal.signal(signal.SIGTERM, _sigterm_stops_like_ctrl_c)
     try:
         _run_task()
     except KeyboardInterrupt as error:  # outside a run (a run reports its own), e.g. in a launcher's (joblib's) wait

@@ -109,20 +109,26 @@ def close_unstarted(tracking_uri: str, run_id: str) -> str | None:
     pid, _, place = run.data.tags.get(STARTED_BY, "").partition("@")
     if run.info.status != "RUNNING" or not pid.isdigit() or place != started_by().partition("@")[2]:
         return None
-    if _alive(int(pid)):
+    if _alive(int(pid), run.info.start_time):
         return (f"run {run_id} is still being started by process {pid}; wait for its first checkpoint (every epoch, "
                 "or trainer.checkpoint_every_n_steps)")
     return _mark_failed(client, run_id)
 
 
-def _alive(pid: int) -> bool:
+def _alive(pid: int, run_started_ms: int | None) -> bool:
+    """Whether the process that created a run (started at `run_started_ms`) may still be running. A pid is reused:
+    a process created after the run (after a reboot or a container's restart, this very process included) is not
+    the one that created it. psutil, not os.kill(pid, 0): on Windows that terminates the process."""
+    import psutil
+
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
+        created = psutil.Process(pid).create_time()
+    except (psutil.NoSuchProcess, psutil.ZombieProcess):
         return False
-    except PermissionError:  # another user's process
+    except psutil.AccessDenied:  # another user's process: it may be the one
         return True
-    return True
+    # 2 s of slack: psutil derives a start time from the boot time, which a clock adjustment can shift
+    return run_started_ms is None or created <= run_started_ms / 1000 + 2
 
 
 def _mark_failed(client, run_id: str) -> str:

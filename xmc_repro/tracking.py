@@ -312,12 +312,13 @@ class RunTracker:
             with_retries(self.client.log_batch, self.run_id, tags=tag_list)
 
     def log_metrics(self, metrics: dict[str, float], step: int = 0) -> None:
-        """Log at `step`; in a reopened run, a metric already logged at that step is not logged again (a run killed
-        after recording its final results, before being marked FINISHED, records them again when resumed)."""
+        """Log at `step`; in a reopened run, a value already logged at that step is not logged again (a run killed
+        after recording its final results, before being marked FINISHED, records them again when resumed). A new
+        value is logged: a run resumed with a larger trainer.max_epochs tests other weights."""
         now = int(time.time() * 1000)
         if self.reopened:
-            metrics = {k: v for k, v in metrics.items()
-                       if step not in {m.step for m in with_retries(self.client.get_metric_history, self.run_id, k)}}
+            metrics = {k: v for k, v in metrics.items() if v is None or (step, float(v)) not in
+                       {(m.step, m.value) for m in with_retries(self.client.get_metric_history, self.run_id, k)}}
         batch = [Metric(k, float(v), now, step) for k, v in metrics.items() if v is not None]
         if batch:
             with_retries(self.client.log_batch, self.run_id, metrics=batch)

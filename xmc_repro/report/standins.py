@@ -33,7 +33,8 @@ def best_p1(runs: list[dict], dataset: tuple[str, str]) -> dict[str, float]:
     Models with an intermediate layer are compared at one width: the one most of them have (on Bibtex 1024, which
     uniform and unstructured share, not the 2048 of a later uniform run), the narrower one on a tie."""
     here = [r for r in runs if kind(r) and (r["dataset"], r["features"]) == dataset and r["test_p1"]]
-    widths = Counter(r["intermediate"] for r in here if r["intermediate"])
+    # models, not runs: a model run again (seeds, reruns) at another width must not outvote the width they share
+    widths = Counter(width for _, width in {(kind(r), r["intermediate"]) for r in here if r["intermediate"]})
     width = max(widths, key=lambda w: (widths[w], -int(w))) if widths else ""
     found: dict[str, tuple[str, float]] = {}
     for run in here:
