@@ -203,3 +203,83 @@ def test_launch_rank(env, rank):
         assert launch_rank(env) != 0
     else:
         assert launch_rank(env) == rank
+
+
+# The command line under `trainer=ddp` on 2 CPU processes (Lightning's launcher re-runs this script as rank 1, with
+# the environment): rank 1 gets a SIGTERM at one point (XMC_SIGTERM_AT), as a scheduler or `kill` would send it.
+SIGTERM_RANK_1 = """
+import os, signal, sys, time
+where, rank = os.environ["XMC_SIGTERM_AT"], int(os.environ.get("LOCAL_RANK", "0"))
+from xmc_repro.model import XMCClassifier
+if where == "train" and rank == 1:  # in the middle of epoch 2, before the step's all-reduce
+    batch_start = XMCClassifier.on_train_batch_start
+    def on_train_batch_start(self, batch, batch_idx):
+        if self.trainer.global_step == 30:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return batch_start(self, batch, batch_idx)
+    XMCClassifier.on_train_batch_start = on_train_batch_start
+elif where == "validation" and rank == 1:  # at a validation batch of epoch 2
+    validation_step = XMCClassifier.validation_step
+    def step(self, batch, batch_idx, *args):
+        if self.current_epoch == 1 and batch_idx == 2:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return validation_step(self, batch, batch_idx, *args)
+    XMCClassifier.validation_step = step
+elif where == "after_fit":  # rank 1 dies of it while rank 0 still tests (for longer than Lightning's 5 s look)
+    if rank == 1:
+        from xmc_repro.callbacks import EpochTime
+        EpochTime.on_fit_end = lambda self, trainer, module: os.kill(os.getpid(), signal.SIGTERM)
+    else:
+        evaluate = XMCClassifier.evaluate
+        XMCClassifier.evaluate = lambda self, *a, **k: (time.sleep(6), evaluate(self, *a, **k))[1]
+from xmc_repro.entry import main
+main()  # sys.argv[0] stays this script: Lightning starts rank 1 with it
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("where, status, rank_0_exit, step", [
+    ("train", "FAILED", 143, 31),  # hung both ranks until the process group's timeout (30 min)
+    ("validation", "FAILED", 143, 40),
+    ("after_fit", "FINISHED", 0, None),  # Lightning's child-process observer SIGKILLed rank 0: the run stayed RUNNING
+])  # fmt: skip
+def test_sigterm_to_rank_1_stops_both_ranks_at_the_same_batch(tmp_path, where, status, rank_0_exit, step):
+    """A SIGTERM to rank 1 alone stops both ranks where the ranks agree on it (the step or validation batch it came
+    in), with one line each and exit 143; rank 0 marks the run FAILED, to be continued with resume=<id>. After rank
+    1's last collective it only ends rank 1, and rank 0 finishes the run."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    from test_reliability_common import TINY, _USED, cli_env, runs, stderr_lines, tracking_uri
+
+    (tmp_path / "sigterm_rank_1.py").write_text(SIGTERM_RANK_1)
+    _USED.add(tmp_path)
+    args = [*TINY, "trainer=ddp", "trainer.accelerator=cpu", "trainer.devices=2", "dataset.dropout=0",
+            "trainer.max_epochs=3", f"logger.tracking_uri={tracking_uri(tmp_path)}"]
+    process = subprocess.Popen([sys.executable, str(tmp_path / "sigterm_rank_1.py"), *args], cwd=tmp_path,
+                               env=cli_env({"XMC_SIGTERM_AT": where}), stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        _, stderr = process.communicate(timeout=120)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)  # rank 0 and rank 1 (same session)
+        _, stderr = process.communicate()
+        pytest.fail(f"the ranks hung after the SIGTERM: {stderr[-3000:]}")
+    finally:
+        try:
+            os.killpg(process.pid, signal.SIGKILL)  # a rank left behind
+        except ProcessLookupError:
+            pass
+    (run,) = runs(tmp_path)
+    lines = [line for line in stderr_lines(stderr) if line.startswith("error: ")]
+    assert process.returncode == rank_0_exit and run.info.status == status, stderr[-3000:]
+    if status == "FINISHED":
+        assert not lines and "test/p_at_1" in run.data.metrics, stderr[-3000:]
+        return
+    expected = f"error: interrupted (SIGTERM); continue it with resume={run.info.run_id}"
+    assert sorted(lines) == [expected, "error: rank 1: interrupted (SIGTERM); rank 0 records the run"], stderr[-3000:]
+    assert run.data.tags["error"] == expected.removeprefix("error: ")
+    assert run.data.tags["failed_at_step"] == str(step)  # where rank 1 got it: both ranks stopped there
+    assert (tmp_path / "checkpoints" / run.info.run_id / "last.ckpt").is_file()

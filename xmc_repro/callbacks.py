@@ -1,5 +1,5 @@
 """Lightning callbacks: sparse rewiring, early stopping and the best epoch, peak GPU memory, epoch and step times, a
-profile of some training steps."""
+profile of some training steps, and a SIGTERM that stops every DDP rank at the same batch."""
 
 from __future__ import annotations
 
@@ -10,8 +10,9 @@ from pathlib import Path
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import EarlyStopping, ModelCheckpoint
+from lightning.pytorch.trainer.connectors.signal_connector import _SignalConnector
 
-from xmc_repro.distributed import assert_identical_across_ranks
+from xmc_repro.distributed import assert_identical_across_ranks, stop_watching_other_ranks, world_size
 from xmc_repro.sparse.rewire import reset_optimizer_state_
 from xmc_repro.validation import REWIRE_SCHEDULES
 
@@ -300,3 +301,74 @@ class MemoryPeakReport(pl.Callback):
         self.dirpath.mkdir(parents=True, exist_ok=True)
         (self.dirpath / "memory-peak.txt").write_text(text + "\n")
         print(f"{text}\n({self.dirpath / 'memory-peak.txt'})", flush=True)
+
+
+class _SigtermNoted(_SignalConnector):
+    """Lightning's signal connector, whose SIGTERM handler only notes the signal when there are several ranks.
+
+    Lightning 2.6's handler (`_SignalConnector._sigterm_notifier_fn`) runs `torch.distributed.broadcast(src=0)`
+    inside the signal handler, wherever the main thread is: on a rank other than 0 that broadcast meets rank 0's next
+    collective (a gradient all-reduce, a rewiring check), and both ranks wait for each other until the process group's
+    timeout (30 min). Here the signal is only noted (`pending`); `SigtermStopsEveryRank` lets the ranks agree on it at
+    the next batch. With one process the flag is Lightning's own, as before."""
+
+    pending = False
+
+    def register_signal_handlers(self) -> None:
+        self.pending = False
+        super().register_signal_handlers()
+
+    def _sigterm_notifier_fn(self, signum, frame) -> None:
+        if world_size() > 1:
+            self.pending = True  # no collective in a signal handler
+        else:
+            self.received_sigterm = True
+
+
+def sigterm_noted(trainer) -> bool:
+    """Whether this process got a SIGTERM during `trainer.fit` (flagged by Lightning, or noted and not yet agreed)."""
+    connector = getattr(trainer, "_signal_connector", None)
+    return bool(getattr(connector, "received_sigterm", False) or getattr(connector, "pending", False))
+
+
+class SigtermStopsEveryRank(pl.Callback):
+    """A SIGTERM to any DDP rank stops every rank at the same batch, with Lightning's own SIGTERMException.
+
+    After every training and validation batch (the same count on every rank: each rank takes its share of every global
+    batch and validates on the whole set) and at the end of training, the ranks all-reduce whether any of them got a
+    SIGTERM; if one did, every rank sets Lightning's flag at that same point, and Lightning's loops raise
+    SIGTERMException on every rank at the same check. Rank 0 then marks the run FAILED (resumable from the last
+    checkpoint) and the other ranks say that rank 0 records it. Rank 0 first stops Lightning's child-process observer
+    (`stop_watching_other_ranks`): the other ranks exit first, and it would SIGKILL rank 0 before the run is closed.
+    """
+
+    def setup(self, trainer, pl_module, stage):  # before Lightning registers its handlers (Trainer._run)
+        if not isinstance(trainer._signal_connector, _SigtermNoted):
+            trainer._signal_connector = _SigtermNoted(trainer)
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self._agree(trainer)
+
+    def on_validation_batch_end(self, trainer, pl_module, outputs, batch, batch_idx, dataloader_idx=0):
+        if not trainer.sanity_checking:
+            self._agree(trainer)
+
+    def on_train_end(self, trainer, pl_module):
+        if trainer.global_rank == 0:  # the last collective of the run follows: other ranks may exit from there on
+            stop_watching_other_ranks()
+        self._agree(trainer)
+
+    def on_exception(self, trainer, pl_module, exception):
+        if trainer.global_rank == 0:  # no collective follows; another rank that stops must not kill this one
+            stop_watching_other_ranks()
+
+    @staticmethod
+    def _agree(trainer) -> None:
+        connector = trainer._signal_connector
+        if trainer.world_size == 1 or not isinstance(connector, _SigtermNoted) or connector.received_sigterm:
+            return
+        if trainer.strategy.reduce_boolean_decision(connector.pending, all=False):
+            if trainer.global_rank == 0:
+                stop_watching_other_ranks()
+            trainer.strategy.barrier("sigterm")  # no rank exits before rank 0 stopped the observer
+            connector.received_sigterm = True

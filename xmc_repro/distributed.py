@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import threading
 
 import torch
 
@@ -137,3 +138,19 @@ def launch_problem(trainer_cfg, multirun: bool, env=None) -> str | None:
         "under -m would re-run the whole sweep; in a sweep use one device per job (trainer.devices=1), or "
         "hydra/launcher=submitit_slurm with hydra.launcher.tasks_per_node equal to trainer.devices"
     )
+
+
+def stop_watching_other_ranks() -> None:
+    """Rank 0 under Lightning's own launcher (`trainer=ddp` on one machine): from now on no other rank's exit may
+    SIGKILL this process.
+
+    Lightning's child-process observer (a thread of rank 0) SIGKILLs rank 0 within 5 s of any other rank exiting
+    non-zero, so that rank 0 does not hang in a collective with a dead peer. Once rank 0 needs no collective any more
+    (training ended, stopped or failed) that kill only cuts short what rank 0 still has to do (the final test, marking
+    the run FAILED) and leaves the MLflow run RUNNING. The observer reads its list of ranks at every look: emptied, its
+    next look ends it without a kill (lightning.fabric.strategies.launchers.subprocess_script._ChildProcessObserver).
+    """
+    for thread in threading.enumerate():
+        if type(thread).__name__ == "_ChildProcessObserver":
+            thread._child_processes = []
+            thread._finished = True

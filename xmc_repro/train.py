@@ -22,7 +22,7 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 from omegaconf import DictConfig, OmegaConf
 
 from xmc_repro import checkpoints
-from xmc_repro.callbacks import MemoryPeakReport, StepProfile
+from xmc_repro.callbacks import MemoryPeakReport, SigtermStopsEveryRank, StepProfile, sigterm_noted
 from xmc_repro.console import EpochLine, ProgressBar
 from xmc_repro.data import build_datamodule
 from xmc_repro.describe import run_name
@@ -140,6 +140,7 @@ def build_callbacks(cfg: DictConfig, checkpoint_dir: Path, info: dict | None = N
         callbacks["profile"] = StepProfile(checkpoint_dir, int(cfg.trainer.profile_steps))
     if cfg.trainer.get("memory_report"):
         callbacks["memory_report"] = MemoryPeakReport(checkpoint_dir)
+    callbacks["sigterm"] = SigtermStopsEveryRank()  # last: a batch's checkpoint is written before the ranks stop
     return callbacks
 
 
@@ -210,10 +211,10 @@ def limit_cublas_workspace(mib: float | None) -> None:
 def sigterm_ends_the_run(progress: dict):
     """A SIGTERM raises SIGTERMException wherever the run is, so the run ends FAILED with one line instead of the
     process dying with the run left RUNNING (Lightning's own handler covers `trainer.fit` only). Inside fit, Lightning
-    calls this handler after its own, which has flagged the signal: its loops then stop where they can."""
+    calls this handler after its own, which has noted the signal: its loops then stop where they can (under DDP at the
+    batch where the ranks agree on it, `SigtermStopsEveryRank`)."""
     def on_sigterm(signum, frame):
-        connector = getattr(progress.get("trainer"), "_signal_connector", None)
-        if not getattr(connector, "received_sigterm", False):
+        if not sigterm_noted(progress.get("trainer")):  # Lightning's handler has not taken it (inside fit it has)
             raise SIGTERMException()
 
     if threading.current_thread() is not threading.main_thread():  # only the main thread may set handlers
@@ -370,6 +371,8 @@ def _fit_and_test(cfg, tracker, checkpoint_dir: Path, resume_from: Path | None, 
     device = trainer.strategy.root_device
     if tracker is None:  # checkpoints (rank 0 writes them; the folder is rank 0's) and logging are rank 0's
         trainer.fit(model, datamodule=dm, ckpt_path=resume_from)
+        if sigterm_noted(trainer):  # the ranks stopped together at the end of training, or it came after that
+            raise SIGTERMException()
         return {}
     ran_on = device_name(device)  # before fit: DDP on the CPU changes torch's thread count
     tracker.set_tags(
@@ -380,7 +383,7 @@ def _fit_and_test(cfg, tracker, checkpoint_dir: Path, resume_from: Path | None, 
         }
     )
     trainer.fit(model, datamodule=dm, ckpt_path=resume_from)
-    if trainer.received_sigterm:  # flagged after the loops' last look (e.g. in on_train_end): fit returned normally
+    if sigterm_noted(trainer):  # flagged after the loops' last look (e.g. in on_train_end): fit returned normally
         raise SIGTERMException()
 
     best = callbacks["best"].best_model_path
