@@ -176,11 +176,19 @@ def test_a_memory_report_breaks_down_the_runs_peak(tmp_path):
     assert "_init_group" in text  # Adam's state, allocated by its first step
 
 
-def test_the_step_times_script_gives_each_curves_quarters_in_order(tmp_path):
-    import subprocess
-    import sys
+def _step_times_script():
+    """scripts/step_times.py as a module (a script, not part of the package)."""
+    import importlib.util
     from pathlib import Path
 
+    spec = importlib.util.spec_from_file_location(
+        "step_times", Path(__file__).resolve().parents[1] / "scripts" / "step_times.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_step_times_script_gives_each_curves_quarters_in_order(tmp_path, capsys):
     from mlflow.tracking import MlflowClient
 
     store = f"sqlite:///{tmp_path / 'runs.db'}"
@@ -190,30 +198,28 @@ def test_the_step_times_script_gives_each_curves_quarters_in_order(tmp_path):
         client.log_metric(run.info.run_id, "train/ms_per_step", ms, step=100 * (9 - step))
     client.log_param(run.info.run_id, "trainer/precision", "32-true")
     client.create_run(client.get_experiment_by_name("steps").experiment_id)  # no curve: no row
-    script = Path(__file__).resolve().parents[1] / "scripts" / "step_times.py"
-    out = subprocess.run([sys.executable, str(script), store], capture_output=True, text=True, check=True).stdout
+    _step_times_script().cli([store])
+    out = capsys.readouterr().out
     rows = [line for line in out.splitlines() if line.startswith(f"| `{run.info.run_id[:8]}`")]
     assert len(out.splitlines()) == 3 and len(rows) == 1
     # logged at steps 800 (9.0) down to 100 (2.5): in step order 2.5, 2.0 | 3.5, 3.0 | 4.0, 5.0 | 7.0, 9.0
     assert rows[0].endswith("| 32-true | compiled-cuda | 8 | 2.25 / 3.25 / 4.50 / 8.00 | 3.75 |")
 
 
-def test_the_step_times_script_refuses_a_missing_store_instead_of_creating_it(tmp_path):
+def test_the_step_times_script_refuses_a_missing_store_instead_of_creating_it(tmp_path, capsys):
     """A mistyped store path made MLflow create an empty database (and its folder): an empty table, exit 0."""
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    script = Path(__file__).resolve().parents[1] / "scripts" / "step_times.py"
-    missing = tmp_path / "typo" / "runs.db"
-    done = subprocess.run([sys.executable, str(script), f"sqlite:///{missing}"], capture_output=True, text=True)
-    assert done.returncode == 2 and f"sqlite:///{missing}: no such database" in done.stderr
-    assert "Traceback" not in done.stderr and not missing.parent.exists()
-    store = tmp_path / "runs.db"
     from mlflow.tracking import MlflowClient
 
+    step_times = _step_times_script()
+    missing = tmp_path / "typo" / "runs.db"
+    with pytest.raises(SystemExit) as info:
+        step_times.cli([f"sqlite:///{missing}"])
+    assert info.value.code == 2 and f"sqlite:///{missing}: no such database" in capsys.readouterr().err
+    assert not missing.parent.exists()
+    store = tmp_path / "runs.db"
     MlflowClient(f"sqlite:///{store}").search_experiments()  # an existing store, named with sqlite's options
-    done = subprocess.run([sys.executable, str(script), f"sqlite:///{store}?timeout=5"], capture_output=True, text=True)
-    assert done.returncode == 0 and "no such database" not in done.stderr, done.stderr[-2000:]
-    done = subprocess.run([sys.executable, str(script), "--help"], capture_output=True, text=True)  # was a store
-    assert done.returncode == 0 and "usage:" in done.stdout
+    step_times.cli([f"sqlite:///{store}?timeout=5"])
+    assert "no such database" not in capsys.readouterr().err
+    with pytest.raises(SystemExit) as info:
+        step_times.cli(["--help"])  # was taken for a store
+    assert info.value.code == 0 and "usage:" in capsys.readouterr().out
