@@ -336,6 +336,14 @@ def test_bad_inputs_raise_clear_errors():
         assert "device" in _bad(x, idx, w.to("meta"))
 
 
+def test_a_numpy_array_or_a_list_is_named_not_an_attribute_error():
+    x, idx, w, b = _problem(3, 20, 9, 4, "cpu")
+    for args, named in [((x.numpy(), idx, w, b), "x is a ndarray"), ((x, idx, w, b.tolist()), "bias is a list"),
+                        ((x, idx.numpy(), w, None), "indices is a ndarray")]:
+        with pytest.raises(SparseInputError, match=re.escape(named) + ".*torch.as_tensor"):
+            uniform_sparse_linear(*args)
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_a_16_bit_layer_is_told_to_stay_float32(dtype):
     """layer.half(): the error names the weight and the fix, whatever dtype x has (not 'call x.float()', which

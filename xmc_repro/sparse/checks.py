@@ -12,11 +12,20 @@ class SparseInputError(ValueError):
     """A tensor handed to the sparse op has the wrong shape, dtype, device or layout."""
 
 
+def check_tensor_types(x, indices, weight, bias) -> None:
+    """x, indices, weight (and bias, when given) are torch tensors: a numpy array or a list is named, not met with
+    an AttributeError further on."""
+    given = {"x": x, "indices": indices, "weight": weight, **({"bias": bias} if bias is not None else {})}
+    wrong = [f"{name} is a {type(v).__name__}" for name, v in given.items() if not isinstance(v, torch.Tensor)]
+    if wrong:
+        raise SparseInputError(f"x, indices, weight and bias must be torch.Tensors ({', '.join(wrong)}); convert with "
+                               "torch.as_tensor")
+
+
 def check_op_inputs(x: torch.Tensor, indices: torch.Tensor, weight: torch.Tensor,
                     bias: torch.Tensor | None, check_indices: bool = False) -> None:
     """Validate the arguments of ``uniform_sparse_linear``; raise SparseInputError on the first problem."""
-    if not all(isinstance(t, torch.Tensor) for t in (x, indices, weight)):
-        raise SparseInputError("x, indices and weight must be torch.Tensors")
+    check_tensor_types(x, indices, weight, bias)
     if x.dim() != 2:
         raise SparseInputError(f"x must be 2-D (batch, in_features), got shape {tuple(x.shape)}")
     if weight.dtype not in (torch.float32, torch.float64):  # e.g. a layer after .half() / .bfloat16()

@@ -18,7 +18,7 @@ import warnings
 import torch
 
 from . import build, reference
-from .checks import SparseInputError, check_op_inputs
+from .checks import SparseInputError, check_op_inputs, check_tensor_types
 
 NAMESPACE = "xmc_sparse"
 _REFERENCE_KERNELS = {
@@ -284,6 +284,7 @@ def uniform_sparse_linear(x: torch.Tensor, indices: torch.Tensor, weight: torch.
     index outside is undefined behaviour unless ``check_indices=True`` (or env ``XMC_SPARSE_CHECK_INDICES=1``) checks
     them first, which waits for the device. ``UniformSparseLinear`` keeps its indices in range.
     """
+    check_tensor_types(x, indices, weight, bias)  # before x's dtype is looked at
     if check_indices is None:
         check_indices = os.environ.get("XMC_SPARSE_CHECK_INDICES", "0") not in ("", "0")
     if x.dtype != weight.dtype and x.is_floating_point() and torch.is_autocast_enabled(x.device.type):
