@@ -273,30 +273,22 @@ def test_sigterm_stops_like_ctrl_c_only_outside_other_ddp_ranks(tmp_path, ranked
     assert done.returncode == 0 and done.stdout.split() == [installed], done.stderr[-2000:]
 
 
-def _state_and_parent(pid: int) -> tuple[str, int] | None:
+def _alive(process) -> bool:
+    """Running and not a zombie waiting to be reaped (psutil also tells a reused pid from the process)."""
+    import psutil
+
     try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
-    except OSError:
-        return None  # gone
-    return fields[0], int(fields[1])
-
-
-def _alive(pid: int) -> bool:
-    found = _state_and_parent(pid)
-    return found is not None and found[0] != "Z"
-
-
-def _children(pid: int) -> list[int]:
-    """The live processes whose parent is `pid` (from /proc)."""
-    return [int(p.name) for p in Path("/proc").glob("[0-9]*") if _alive(int(p.name))
-            and (_state_and_parent(int(p.name)) or ("", 0))[1] == pid]
+        return process.is_running() and process.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
 
 
 @pytest.mark.slow  # about 40 s: two workers train until both runs are open
-@pytest.mark.skipif(not Path("/proc").is_dir(), reason="reads the process table from /proc")
 def test_a_joblib_sweep_stopped_by_sigterm_closes_its_runs_and_leaves_no_worker(tmp_path, store):
     """A joblib sweep end to end: its workers train (no Hydra warning about the launcher config), SIGTERM to the
     sweep's own process stops it in one line with exit 143, both runs end FAILED, no worker keeps training."""
+    import psutil
+
     copy_store(store, tmp_path)
     long = ["dataset.num_train=20000", "trainer.max_epochs=50", "trainer.limit_train_batches=1.0"]
     _USED.add(tmp_path)
@@ -306,7 +298,7 @@ def test_a_joblib_sweep_stopped_by_sigterm_closes_its_runs_and_leaves_no_worker(
     deadline = time.monotonic() + 240
     while len([r for r in runs(tmp_path) if r.info.status == "RUNNING"]) < 2 and time.monotonic() < deadline:
         time.sleep(1)
-    workers = _children(sweep.pid)
+    workers = psutil.Process(sweep.pid).children()
     sweep.send_signal(signal.SIGTERM)
     _, stderr = sweep.communicate(timeout=120)
     lines = [line for line in stderr_lines(stderr) if not line.startswith("INFO")]
