@@ -165,7 +165,8 @@ def test_a_head_by_name_takes_its_config_file_defaults_and_the_settings_it_names
 
 
 def test_errors_raised_while_building_stay_one_line():
-    with pytest.raises(ConfigError, match=r"^model.connectivity=9 exceeds the layer's 8 input features"):
+    with pytest.raises(ConfigError, match=r"^connectivity=9 exceeds the layer's 8 input features; set "
+                                        r"connectivity \(model.connectivity in a run\) <= 8"):
         XMCClassifier(8, 10, head="uniform", connectivity=9)
     with pytest.raises(ConfigError, match=r"^model=.nope. is unknown; choose one of bottleneck, dense, mach"):
         XMCClassifier(8, 10, head="nope")

@@ -55,7 +55,7 @@ CASES = {
     "npy_wrong_dtype": (_npy(np.zeros((3, 768), np.float64)), NPY, "dtype float64, expected float32", True),
     "npy_nan": (_npy(nan_rows), NPY, "row 1 (0-based), column 5 is nan", True),
     "missing_file": (_xc(), [*XC, "dataset.test_file=nope.txt"], "missing", True),
-    "connectivity_too_large": (None, [*TINY, "model.connectivity=100"], "model.connectivity=100 exceeds", True),
+    "connectivity_too_large": (None, [*TINY, "model.connectivity=100"], "connectivity=100 exceeds", True),
     "intermediate_not_positive": (None, [*TINY, "model.intermediate=0"], "model.intermediate=0 must be", False),
     "unknown_config_choice": (None, ["model=nope"], "Could not find 'model/nope'; choose one of: bottleneck", False),
 }
@@ -168,7 +168,7 @@ def test_failed_job_does_not_stop_its_sweep(tmp_path, store):
     errors = [line for line in stderr_lines(result.stderr) if line.startswith("error:")]
     assert "Traceback" not in result.stderr, result.stderr[-2000:]
     assert len(errors) == 2, errors
-    assert errors[0].startswith("error: job #1 (") and "model.connectivity=100 exceeds" in errors[0]
+    assert errors[0].startswith("error: job #1 (") and "connectivity=100 exceeds" in errors[0]
     assert errors[1].startswith("error: sweep finished; 1 of 3 jobs failed: #1 (")
     by_connectivity = {r.data.params["model/connectivity"]: r for r in runs(tmp_path)}
     assert {k: r.info.status for k, r in by_connectivity.items()} == {"8": "FINISHED", "100": "FAILED", "4": "FINISHED"}

@@ -378,10 +378,11 @@ def test_index_limit_error():
         check_op_inputs(x, big, torch.empty(big.shape, device="meta"), None)
 
 
-def test_layer_config_errors_name_the_setting():
-    with pytest.raises(ConfigError, match="model.connectivity=64 exceeds .* 32 input.*set model.connectivity <= 32"):
+def test_layer_size_errors_name_the_argument_and_the_run_setting():
+    with pytest.raises(ConfigError, match=r"^connectivity=64 exceeds .* 32 input.*set connectivity \(model.connectivity "
+                                          r"in a run\) <= 32"):
         UniformSparseLinear(32, 10, 64)
-    with pytest.raises(ConfigError, match="model.connectivity"):
+    with pytest.raises(ConfigError, match="^connectivity=0 must be a positive integer"):
         UniformSparseLinear(32, 10, 0)
     with pytest.raises(ConfigError, match="2\\*\\*31"):
         UniformSparseLinear(2**16, 2**26, 2**5)

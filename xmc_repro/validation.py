@@ -77,8 +77,9 @@ def _is_int(value) -> bool:
 
 def check_layer_sizes(in_features: int, out_features: int, connectivity: int) -> tuple[int, int, int]:
     """The sizes a sparse layer is built with (they come straight from the config and the data), as Python ints
-    (in_features, out_features, connectivity): integers of any kind (numpy's too, as ``nn.Linear`` takes them)."""
-    for name, value in (("model.connectivity", connectivity), ("out_features", out_features),
+    (in_features, out_features, connectivity): integers of any kind (numpy's too, as ``nn.Linear`` takes them).
+    Messages name the layer's arguments and, for connectivity, the run's setting ``model.connectivity``."""
+    for name, value in (("connectivity", connectivity), ("out_features", out_features),
                         ("in_features", in_features)):
         if isinstance(value, bool) or not isinstance(value, numbers.Integral):  # 8.0 is a caller's mistake
             raise ConfigError(f"{name}={value!r} must be a positive integer")
@@ -86,12 +87,12 @@ def check_layer_sizes(in_features: int, out_features: int, connectivity: int) ->
     in_features, out_features, connectivity = int(in_features), int(out_features), int(connectivity)
     if connectivity > in_features:
         raise ConfigError(
-            f"model.connectivity={connectivity} exceeds the layer's {in_features} input features; "
-            f"set model.connectivity <= {in_features} (or use model=dense)")
+            f"connectivity={connectivity} exceeds the layer's {in_features} input features; set connectivity "
+            f"(model.connectivity in a run) <= {in_features}, or use a dense layer (model=dense)")
     if connectivity * out_features >= INT32_LIMIT:
         raise ConfigError(
-            f"model.connectivity * labels = {connectivity} * {out_features} >= 2**31 does not fit the int32 "
-            "indices; lower model.connectivity")
+            f"connectivity * labels = {connectivity} * {out_features} >= 2**31 does not fit the int32 indices; "
+            "lower connectivity (model.connectivity in a run)")
     return in_features, out_features, connectivity
 
 
