@@ -10,6 +10,7 @@ from test_reliability_common import TINY, copy_store, make_store, runs, start
 from xmc_repro import tracking
 
 
+@pytest.mark.slow  # 45 s of four processes; test_a_process_killed_while_creating_the_store_leaves_it_usable stays
 def test_four_jobs_write_one_fresh_store_at_once(tmp_path):
     # A fresh store: the four processes also race to create its schema and the experiment.
     processes = [start(tmp_path, [*TINY, "trainer.max_epochs=1", f"seed={seed}"]) for seed in range(4)]

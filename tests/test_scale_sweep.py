@@ -59,6 +59,7 @@ def wait_healthy(uri: str, server, timeout_s: float = 120) -> None:
     raise TimeoutError(f"mlflow server at {uri} not up after {timeout_s} s")
 
 
+@pytest.mark.slow  # 50 s: a tracking server and two submitit jobs
 def test_submitit_local_sweep_logs_to_tracking_server(tmp_path, mlflow_server):
     uri, server = mlflow_server
     sweep_dir = tmp_path / "multirun"
