@@ -163,6 +163,27 @@ def test_two_sweeps_started_in_one_second_get_folders_of_their_own(tmp_path):
     assert not set(first) & set(second), (first, second)
 
 
+@pytest.mark.parametrize("override, line", [
+    # Hydra said "mismatched input '.' expecting <EOF>": neither the override nor what to do
+    ("dataset.train_file=data(1).txt", "error: cannot read the override 'dataset.train_file=data(1).txt' (mismatched "
+     "input '.' expecting <EOF>); quote the value: 'dataset.train_file=\"data(1).txt\"'"),
+    ("dataset.data_dir=dätä", "error: cannot read the override 'dataset.data_dir=dätä' ('ä' is not allowed there "
+     "unquoted); quote the value: 'dataset.data_dir=\"dätä\"'"),
+])
+def test_an_override_hydra_cannot_read_is_named_with_how_to_quote_it(tmp_path, override, line):
+    result = cli(tmp_path, [override], timeout=60)
+    assert result.returncode == 2, result.stderr
+    assert stderr_lines(result.stderr) == [line]
+
+
+def test_a_quoted_home_folder_is_expanded(tmp_path, monkeypatch):
+    """`~` reaches the program only quoted (Hydra's grammar refuses it bare), so the shell did not expand it."""
+    from xmc_repro.data.sources import absolute
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    assert absolute("~/data/train.txt") == tmp_path / "data" / "train.txt"
+
+
 @pytest.mark.parametrize("flags", [["--cfg", "job"], ["--resolve"]])
 def test_hydra_flags_combined_wrongly_get_one_line(tmp_path, flags):
     result = cli(tmp_path, flags, multirun=True, timeout=60)

@@ -211,6 +211,16 @@ def test_not_an_npy_file(tmp_path):
         load_npy_features(tmp_path / "g.npy")
 
 
+def test_an_npz_archive_is_named_as_one(tmp_path):
+    """np.load opens a numpy.savez archive whatever the file is called: it has no dtype (was an AttributeError)."""
+    np.savez(tmp_path / "train.npz", emb=np.zeros((3, 4), np.float32))
+    (tmp_path / "train-slice.npy").write_bytes((tmp_path / "train.npz").read_bytes())
+    for name in ("train.npz", "train-slice.npy"):
+        with pytest.raises(DataError, match=rf"{name}: an \.npz archive \(arrays: emb\), not an \.npy array; save "
+                                            r"the features as one, e\.g\. numpy\.save\('features\.npy', numpy\.load"):
+            load_npy_features(tmp_path / name, rows=3)
+
+
 def test_missing_files_are_listed_with_their_source(tmp_path):
     cfg = OmegaConf.load(CONF / "amazon670k_cascade.yaml")
     cfg.data_dir = str(tmp_path)

@@ -254,6 +254,22 @@ def test_reopening_a_run(tmp_path, store):
         RunTracker(uri, "e", run_id="0" * 32)
 
 
+def test_a_resumed_run_stays_in_its_experiment_whatever_the_experiment_name(tmp_path, store):
+    """`logger` comes from the resuming command line: without the run's logger.experiment_name, the summary linked
+    the runs table of another (new, empty) experiment."""
+    from xmc_repro.tracking import RunTracker
+
+    copy_store(store, tmp_path)
+    uri = f"sqlite:///{tmp_path / 'mlruns.db'}"
+    first = RunTracker(uri, "ablation")
+    first.finish("FAILED", "interrupted (SIGTERM)")
+    reopened = RunTracker(uri, "xmc_repro", run_id=first.run_id)
+    assert reopened.experiment_id == first.experiment_id
+    assert reopened.runs_table_url().endswith(f"/#/experiments/{first.experiment_id}/runs")
+    assert reopened.client.get_experiment_by_name("xmc_repro") is None
+    reopened.finish("FINISHED")
+
+
 def test_resume_config_keeps_the_run_settings():
     from xmc_repro.resume import resume_config
 

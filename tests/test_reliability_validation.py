@@ -100,6 +100,22 @@ REFUSED = {
     "strategy_spawn": (["trainer.strategy=ddp_spawn"], "trainer.strategy='ddp_spawn' is not one this pipeline runs"),
     "precision_unknown": (["trainer.precision=fp32"], "trainer.precision='fp32' is unknown; choose one of 32-true,"),
     "accelerator_unknown": (["trainer.accelerator=gpuu"], "trainer.accelerator='gpuu' is unknown; choose one of auto,"),
+    # numpy refused these once the run had opened, with a traceback
+    "data_seed_word": (["dataset.data_seed=abc"], "dataset.data_seed='abc' must be an integer in [0, 4294967295]"),
+    "data_seed_negative": (["dataset.data_seed=-1"], "dataset.data_seed=-1 must be an integer in [0, 4294967295]"),
+    # read as true where they are used: `no` trained distinct sources, exact counts, rewiring every epoch
+    "distinct_sources_word": (["model=unstructured", "model.distinct_sources=no"],
+                              "model.distinct_sources='no' must be true or false"),
+    "rewire_exact_count_word": (["model.rewire_exact_count=off"], "model.rewire_exact_count='off' must be true or false"),
+    "rewire_every_epoch_word": (["dataset.rewire_every_epoch=no"], "dataset.rewire_every_epoch='no' must be true or false"),
+    # an empty MLFLOW_TRACKING_URI: MLflow opened its own default store, then Lightning's logger failed on ./mlruns
+    "tracking_uri_empty": (["logger.tracking_uri="], "logger.tracking_uri='' names no store (an empty MLFLOW_TRACKING_URI?)"),
+    # OmegaConf's traceback where the setting was first read
+    "interpolation_of_a_missing_key": (["trainer.max_epochs=${dataset.max_epoch}"], "trainer.max_epochs cannot be "
+                                       "resolved (Interpolation key 'dataset.max_epoch' not found); fix its ${...}"),
+    "interpolation_of_an_unset_variable": (["logger.tracking_uri=${oc.env:XMC_TEST_UNSET_VARIABLE}"],
+                                           "logger.tracking_uri cannot be resolved (KeyError raised while resolving "
+                                           "interpolation: \"Environment variable 'XMC_TEST_UNSET_VARIABLE' not found\")"),
 }
 
 
@@ -130,6 +146,7 @@ ACCEPTED = [
     ["trainer.devices='0,1'"], ["trainer=ddp"], ["trainer.strategy=ddp"], ["trainer.num_workers=2"],
     ["trainer.train_eval_max_points=null"], ["validate_on=holdout", "dataset.holdout_fraction=0.2"],
     ["model=dense", "model.head=dense"], ["dataset.propensity.A=0.5", "dataset.propensity.B=0.4"],
+    ["model=unstructured", "model.distinct_sources=true"], ["dataset.data_seed=7"],
 ]
 
 
@@ -225,6 +242,9 @@ def test_a_bad_value_on_the_command_line_is_refused_before_torch_loads(tmp_path)
 CLI_CASES = {
     "seed=-1": "error: seed=-1 must be an integer in [0, 4294967295]",
     "trainer.lr=nan": "error: trainer.lr=nan must be a finite number > 0",
+    # Hydra keeps the overrides in its config: reading them resolved this one, with a traceback, before validate
+    "trainer.max_epochs=${dataset.max_epoch}": "error: trainer.max_epochs cannot be resolved (Interpolation key "
+                                               "'dataset.max_epoch' not found)",
 }
 
 

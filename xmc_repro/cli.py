@@ -6,6 +6,7 @@ Imports nothing heavy (no torch, lightning or mlflow), so that both answer withi
 from __future__ import annotations
 
 import difflib
+import re
 import textwrap
 
 from omegaconf import OmegaConf
@@ -114,6 +115,36 @@ def unknown_setting(error: BaseException) -> str | None:
     return f"unknown setting '{full_key}'; {hint}"
 
 
+_PLAIN_KEY = re.compile(r"[+~]{0,2}[\w.@/-]+=")  # an override's `key=` (`+key=`, `group@pkg=`)
+_LEXER = "LexerNoViableAltException: "
+
+
+def unreadable_override(error: BaseException) -> str | None:
+    """One line for an override Hydra's grammar cannot read (`dataset.train_file=data(1).txt`, a non-ASCII letter, a
+    `~`): Hydra's own text may not name the override, and points into it with a caret on a line of its own."""
+    override, message = getattr(error, "override", None), getattr(error, "message", None)
+    if not isinstance(override, str) or not isinstance(message, str):
+        return None
+    lines = [line for line in message.splitlines() if line.strip() and not line.startswith("See https://")]
+    if len(lines) > 1 and lines[0].startswith(_LEXER) and lines[1].strip() == "^":
+        at = len(lines[1].rstrip()) - 1 - len(_LEXER)  # the caret's column in the override
+        shown = repr(override[at]) if 0 <= at < len(override) else "a character"
+        reason = f"{shown} is not allowed there unquoted"
+    else:
+        reason = "; ".join(line.strip() for line in lines if not line.startswith("Error parsing override"))
+        at = None
+    key, equals, value = override.partition("=")
+    if not equals:
+        fix = "write it as key=value"
+    elif at is not None and at < len(key):
+        fix = "fix the setting's name (python -m xmc_repro --cfg job lists every setting)"
+    elif _PLAIN_KEY.match(override) and '"' not in value:
+        fix = f"quote the value: '{key}=\"{value}\"'"
+    else:
+        fix = "quote the value (https://hydra.cc/docs/1.2/advanced/override_grammar/basic)"
+    return f"cannot read the override '{override}' ({reason}); {fix}"
+
+
 def _declared(node, prefix: str = "") -> set[str]:
     """The dotted paths of every key in a config file's tree (its `defaults` list aside)."""
     keys = set()
@@ -165,6 +196,12 @@ def added_setting(overrides: list[str]) -> str | None:
     return None
 
 
+def task_overrides(hydra_config) -> list[str]:
+    """The command line's overrides as given: Hydra keeps them in its config, where a `${...}` in one would be
+    resolved on reading, and one that does not resolve would raise instead of being reported by `validate`."""
+    return OmegaConf.to_container(hydra_config.overrides.task, resolve=False)
+
+
 def grid_without_multirun(hydra_config) -> str | None:
     """One line when an `experiment=` grid (its `hydra.sweeper.params`) is run without `-m`: Hydra would train the
     default configuration once, tagged as the table's. None otherwise."""
@@ -173,6 +210,7 @@ def grid_without_multirun(hydra_config) -> str | None:
     params = OmegaConf.select(hydra_config, "sweeper.params", default=None)
     if hydra_config.mode == RunMode.MULTIRUN or not params:
         return None
-    grid = " ".join(o for o in hydra_config.overrides.task if o.startswith("experiment="))
+    overrides = task_overrides(hydra_config)
+    grid = " ".join(o for o in overrides if o.startswith("experiment="))
     return (f"{grid or 'this config'} is a grid of runs ({', '.join(map(str, params))}); "
-            f"run it with -m: python -m xmc_repro -m {' '.join(hydra_config.overrides.task)}")
+            f"run it with -m: python -m xmc_repro -m {' '.join(overrides)}")

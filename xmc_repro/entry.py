@@ -81,7 +81,9 @@ def _sweep_job() -> str | None:
         return None
     if hc.mode != RunMode.MULTIRUN:
         return None
-    return f"#{hc.job.num} ({' '.join(hc.overrides.task) or 'defaults'})"
+    from xmc_repro.cli import task_overrides
+
+    return f"#{hc.job.num} ({' '.join(task_overrides(hc)) or 'defaults'})"
 
 
 @hydra.main(version_base="1.3", config_path=str(resource_dir("conf")), config_name="config")
@@ -89,9 +91,9 @@ def _task(cfg: DictConfig):
     try:
         from hydra.core.hydra_config import HydraConfig
 
-        from xmc_repro.cli import added_setting, grid_without_multirun
+        from xmc_repro.cli import added_setting, grid_without_multirun, task_overrides
 
-        problem = added_setting(list(HydraConfig.get().overrides.task)) or grid_without_multirun(HydraConfig.get())
+        problem = added_setting(task_overrides(HydraConfig.get())) or grid_without_multirun(HydraConfig.get())
         if problem:
             raise ConfigError(problem)
         if cfg.get("resume") is None:  # a resumed run's settings are the run's own: checked once they are loaded
@@ -198,7 +200,7 @@ def _one_line_hydra_errors() -> None:
     from hydra._internal import utils as hydra_utils
     from hydra.errors import CompactHydraException, MissingConfigException
 
-    from xmc_repro.cli import closest, unknown_setting
+    from xmc_repro.cli import closest, unknown_setting, unreadable_override
 
     original = hydra_utils.run_and_report
     if getattr(original, "one_line", False):
@@ -218,6 +220,8 @@ def _one_line_hydra_errors() -> None:
                 text = f"{text.strip().splitlines()[0]}; {hint}choose one of: {', '.join(options)}"
             elif unknown_setting(error):  # Hydra's own text suggests `+key=...`, which adds a key nothing reads
                 text = unknown_setting(error)
+            elif unreadable_override(error):  # Hydra's text may not name the override, nor say how to write it
+                text = unreadable_override(error)
             elif error.__cause__ is not None:
                 text += f" ({error.__cause__})"
             print(f"error: {' '.join(text.split())}", file=sys.stderr)

@@ -236,7 +236,8 @@ class RunTracker:
         with store_lock(tracking_uri), _quiet("mlflow.store.db.utils", "alembic"):  # schema creation chatter
             create_store_whole(tracking_uri)
             self.client = MlflowClient(tracking_uri)
-            self.experiment_id = with_retries(self._experiment, experiment_name)
+            # A resumed run stays in its own experiment (set by _reopen), whatever logger.experiment_name says now
+            self.experiment_id = with_retries(self._experiment, experiment_name) if run_id is None else None
         if run_id is None:
             # created with the process that made it, so that a kill before its folder exists can be told apart
             # from a run still starting (resume.close_unstarted)
@@ -271,6 +272,7 @@ class RunTracker:
             ) from None
         if run.info.status == "FINISHED":
             raise ConfigError(f"resume={run_id}: that run already FINISHED; start a new run (without resume=)")
+        self.experiment_id = run.info.experiment_id  # the runs table the summary links to is the run's
         for tag in ("error", "failed_at_step"):  # the failure it resumes from is history now
             if tag in run.data.tags:
                 with_retries(self.client.delete_tag, run_id, tag)

@@ -149,7 +149,9 @@ def explicit_settings() -> list[str]:
     try:
         from hydra.core.hydra_config import HydraConfig
 
-        overrides = HydraConfig.get().overrides.task
+        from xmc_repro.cli import task_overrides
+
+        overrides = task_overrides(HydraConfig.get())
     except ValueError:
         return []
     return [o.split("=", 1)[0].lstrip("+~").split("@", 1)[0] for o in overrides]

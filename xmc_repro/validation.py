@@ -11,6 +11,7 @@ import math
 import numbers
 
 from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import InterpolationResolutionError
 
 from xmc_repro.errors import ConfigError
 from xmc_repro.resources import resource_dir
@@ -126,8 +127,28 @@ def _optional_positive(cfg: DictConfig, key: str, fix: str) -> None:
         number(cfg, key, int, low=1, fix=fix)
 
 
+def _resolvable(cfg: DictConfig) -> None:
+    """A `${...}` that cannot be resolved (`trainer.max_epochs=${dataset.max_epoch}`, an unset `${oc.env:VAR}`) would
+    end in OmegaConf's traceback wherever the setting is first read."""
+    try:
+        OmegaConf.to_container(cfg, resolve=True)
+    except InterpolationResolutionError as error:
+        key = error.full_key or "a setting"
+        reason = str(error.msg).strip().splitlines()[0].strip()  # then OmegaConf adds full_key, object_type
+        raise ConfigError(f"{key} cannot be resolved ({reason}); fix its ${{...}} reference or give the value itself "
+                          "(python -m xmc_repro --cfg job shows the composed config)") from None
+
+
+def _flag(cfg: DictConfig, key: str) -> None:
+    """A true/false setting: any other value (`no`, `off`, `yes please`) would be read as true where it is used."""
+    value = OmegaConf.select(cfg, key, default=False)  # absent (a run from before the setting): its default
+    if not isinstance(value, bool):
+        raise ConfigError(f"{key}={value!r} must be true or false")
+
+
 def validate(cfg: DictConfig) -> None:
     """Settings that would otherwise fail deep inside training, or silently train something else."""
+    _resolvable(cfg)
     for key in ("trainer.batch_size", "trainer.eval_batch_size", "trainer.max_epochs"):
         positive_int(OmegaConf.select(cfg, key), key)
     number(cfg, "seed", int, low=0, high=SEED_MAX, fix="numpy's seeds lie in [0, 2**32 - 1]")
@@ -153,9 +174,9 @@ def validate(cfg: DictConfig) -> None:
     if not OmegaConf.is_dict(strategy) and str(strategy).lower() not in STRATEGIES:  # a dict: a `_target_` config
         raise ConfigError(f"trainer.strategy={strategy!r} is not one this pipeline runs; use trainer=ddp for several "
                           f"devices, or one of {', '.join(STRATEGIES)}")
-    for key in (t + "progress_bar", t + "cuda_graph", t + "memory_report"):
-        if not isinstance(OmegaConf.select(cfg, key, default=True), bool):
-            raise ConfigError(f"{key}={OmegaConf.select(cfg, key)!r} must be true or false")
+    for key in (t + "progress_bar", t + "cuda_graph", t + "memory_report", "dataset.rewire_every_epoch",
+                "model.distinct_sources", "model.rewire_exact_count"):
+        _flag(cfg, key)
     _optional_positive(cfg, t + "checkpoint_every_n_steps", "or null for a checkpoint at every epoch end only")
     _optional_positive(cfg, t + "profile_steps", "or null for no profile")
     if OmegaConf.select(cfg, t + "cublas_workspace_mib", default=None) is not None:
@@ -171,6 +192,10 @@ def validate(cfg: DictConfig) -> None:
     name = OmegaConf.select(cfg, "logger.experiment_name", default="default")
     if not isinstance(name, str) or not name.strip():
         raise ConfigError(f"logger.experiment_name={name!r} must be a non-empty name, e.g. logger.experiment_name=xmc")
+    uri = OmegaConf.select(cfg, "logger.tracking_uri", default="sqlite:///mlruns.db")
+    if not isinstance(uri, str) or not uri.strip():  # MLflow would take its own default store, Lightning ./mlruns
+        raise ConfigError(f"logger.tracking_uri={uri!r} names no store (an empty MLFLOW_TRACKING_URI?); set it to "
+                          "sqlite:///mlruns.db or an http://host:port tracking server, or unset MLFLOW_TRACKING_URI")
     _dataset(cfg)
     if cfg.validate_on not in ("test", "holdout"):
         raise ConfigError(f"validate_on={cfg.validate_on!r} must be 'test' (the authors' protocol) or 'holdout'")
@@ -186,6 +211,8 @@ def _dataset(cfg: DictConfig) -> None:
     if kind == "synthetic":
         for key in ("num_train", "num_test", "num_features", "num_labels", "latent_dim", "chunk_size"):
             _optional_positive(cfg, f"dataset.{key}", "")
+        if OmegaConf.select(cfg, "dataset.data_seed", default=None) is not None:
+            number(cfg, "dataset.data_seed", int, low=0, high=SEED_MAX, fix="numpy's seeds lie in [0, 2**32 - 1]")
         if OmegaConf.select(cfg, "dataset.labels_per_point", default=None) is not None:
             number(cfg, "dataset.labels_per_point", low=1, fix="labels per point on average")
     if kind == "xc":

@@ -24,6 +24,13 @@ def load_npy_features(path: str | Path, rows: int | None = None, dim: int | None
         x = np.load(path, mmap_mode="r", allow_pickle=False)
     except Exception as error:  # not an .npy file, truncated header, object array
         raise DataError(f"{path}: not a readable .npy array ({error}); write it with numpy.save") from None
+    if not isinstance(x, np.ndarray):  # np.load opens an .npz archive (numpy.savez) whatever the file's name
+        names = x.files
+        x.close()
+        first = names[0] if names else "NAME"
+        raise DataError(f"{path}: an .npz archive (arrays: {', '.join(names) or 'none'}), not an .npy array; save the "
+                        f"features as one, e.g. numpy.save('features.npy', numpy.load('{path}')['{first}']), and give "
+                        "that file")
     if x.dtype != np.float32:
         raise DataError(
             f"{path}: dtype {x.dtype}, expected float32; convert it with "

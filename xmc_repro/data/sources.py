@@ -69,7 +69,7 @@ def absolute(path) -> Path:
     try:
         from hydra.utils import to_absolute_path
 
-        return Path(to_absolute_path(str(path)))
+        return Path(to_absolute_path(str(Path(path).expanduser())))  # `~/data`, quoted for Hydra: the shell left it
     except Exception:  # hydra missing or not configured
         return Path(path).expanduser().absolute()
 
@@ -79,6 +79,9 @@ def load_splits(cfg: dict) -> tuple[Split, Split]:
     train, test = _read_splits(cfg)
     if train.labels.nnz == 0:  # every score would be trained down: hours spent learning nothing
         raise DataError(f"{train.source}: no training point has a label; give the training set with its labels")
+    if test.labels.nnz == 0:  # every test P@k 0, and the epochs chosen on them (validate_on=test) arbitrary
+        raise DataError(f"{test.source}: no test point has a label, so every test P@k would be 0; give the test set "
+                        "with its labels")
     return train, test
 
 
