@@ -64,7 +64,7 @@ def demangle(symbol: str) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--arch", default="90", help="compute capability without the dot (default 90: H100/H200)")
     ap.add_argument("--jobs", type=int, default=2)
     args = ap.parse_args(argv)

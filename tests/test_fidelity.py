@@ -103,6 +103,11 @@ def test_adam_epsilon_is_keras_default():
         XMCClassifier(10, 20, head="dense", adam_eps_placement="tf")
 
 
+def test_keras_adam_defaults_are_keras_defaults():
+    optimizer = KerasAdam([nn.Parameter(torch.zeros(2))])
+    assert optimizer.defaults["lr"] == 1e-3 and optimizer.defaults["eps"] == 1e-7
+
+
 def _keras_adam_steps(p, grads, lr=1e-3, b1=0.9, b2=0.999, eps=1e-7):
     """Keras's Adam update (tf.raw_ops.ApplyAdam), written out in float64."""
     m, v = torch.zeros_like(p), torch.zeros_like(p)

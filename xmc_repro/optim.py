@@ -25,8 +25,9 @@ class KerasAdam(torch.optim.Adam):
     step that skips a parameter (its `.grad` is None) counts in the group's epsilon but not in torch's per-parameter
     bias correction (Keras counts it in both)."""
 
-    def __init__(self, params, **adam_settings):
-        super().__init__(params, **adam_settings)
+    def __init__(self, params, lr: float = 1e-3, eps: float = 1e-7, **adam_settings):
+        # Keras's defaults (torch's Adam: eps=1e-8), so that `KerasAdam(params)` is the authors' optimizer
+        super().__init__(params, lr=lr, eps=eps, **adam_settings)
         # A step pre-hook rather than an override of `step`: torch wraps every optimizer class's `step` with the
         # hooks, so an override that calls Adam's would run each hook twice.
         self.register_step_pre_hook(_keras_epsilon)
