@@ -686,6 +686,28 @@ def test_smoke_skips_datasets_without_data_once_and_fails_when_a_job_failed(tmp_
         "Bibtex": str(tmp_path / "no-data" / "Bibtex"), "Delicious": str(tmp_path / "no-data" / "Delicious")}
 
 
+def test_smoke_keeps_what_it_did_not_check_in_data_missing(tmp_path, monkeypatch):
+    """Datasets a call did not look for keep their entries (was: the file held only this call's, so `--tables
+    table5`, which looks for no real set, emptied it); those it looked for are updated."""
+    import subprocess
+
+    from xmc_repro.report import smoke
+
+    shared = tmp_path / "shared"
+    (shared / "Bibtex").mkdir(parents=True)
+    for name in ("bibtex_train_xc.txt", "bibtex_test_xc.txt"):
+        (shared / "Bibtex" / name).write_text("")
+    monkeypatch.setenv("XMC_SHARED_DATA", str(shared))
+    missing = tmp_path / "missing.json"
+    earlier = {"Bibtex": "/old/Bibtex", "Delicious": "/old/Delicious"}
+    missing.write_text(json.dumps(earlier))
+    sweep = lambda command, **kwargs: subprocess.CompletedProcess(command, 0)  # noqa: E731
+    smoke.run_smoke(("table5",), f"sqlite:///{tmp_path / 'm.db'}", missing, run=sweep)
+    assert json.loads(missing.read_text()) == earlier
+    smoke.run_smoke(("table4",), f"sqlite:///{tmp_path / 'm.db'}", missing, run=sweep)  # Bibtex found, Delicious not
+    assert json.loads(missing.read_text()) == {"Delicious": str(shared / "Delicious")}
+
+
 def test_stand_ins_are_checked_against_the_real_order_of_models():
     from xmc_repro.report.standins import markdown
 

@@ -55,17 +55,18 @@ def dataset_choices(table: str, scale: str = "smoke") -> list[str]:
     return choices
 
 
-def check_data(choices: list[str]) -> tuple[list[str], dict[str, str]]:
-    """(choices whose data is here, {dataset name: where its data was looked for} for the others)."""
+def check_data(choices: list[str]) -> tuple[dict[str, str], dict[str, str]]:
+    """({choice: dataset name} of those whose data is here, {dataset name: where its data was looked for} of the
+    others)."""
     from hydra import compose
 
-    present, missing = [], {}
+    present, missing = {}, {}
     with conf_dir():
         for choice in choices:
             dataset = compose("config", overrides=[f"dataset={choice}"]).dataset
             location = data_location(dataset)
             if location is None or data_present(dataset, location):
-                present.append(choice)
+                present[choice] = str(dataset.name)
             else:
                 missing[str(dataset.name)] = str(location)
     return present, missing
@@ -103,14 +104,17 @@ def run_smoke(tables=TABLES, uri: str | None = None, data_missing: Path = DATA_M
                 print(f"missing: data not found at {location} (dataset {name}; pass dataset.data_dir=DIR or set "
                       "$XMC_SHARED_DATA); its runs are skipped", flush=True)  # fmt: skip
         missing_now.update(missing)
-        found.update(present)
+        found.update(present.values())
         if not present:
             continue
-        command = sweep_command(table, present)
+        command = sweep_command(table, list(present))
         print(f"smoke: {' '.join(command[1:])} -> {uri}", flush=True)
         if run(command, cwd=PROJECT_ROOT, env={**os.environ, "MLFLOW_TRACKING_URI": uri}).returncode != 0:
             failed.append(table)
-    write_data_missing(data_missing, missing_now)
+    # Datasets these tables did not look for keep what an earlier call found (`--tables table5` checks no real set)
+    checked = found | set(missing_now)
+    earlier = {name: where for name, where in read_data_missing(data_missing).items() if name not in checked}
+    write_data_missing(data_missing, {**earlier, **missing_now})
     if failed:
         raise SweepFailed(f"jobs of the smoke sweeps of {', '.join(failed)} failed (their errors are above); "
                           "fix them and rerun, e.g. `python -m xmc_repro.report smoke --tables " + failed[0] + "`")
