@@ -189,3 +189,21 @@ def test_hydra_flags_combined_wrongly_get_one_line(tmp_path, flags):
     result = cli(tmp_path, flags, multirun=True, timeout=60)
     assert result.returncode == 2 and len(stderr_lines(result.stderr)) == 1, result.stderr
     assert stderr_lines(result.stderr)[0].startswith(("error: Only one of --run", "error: The --resolve flag"))
+
+
+def test_a_key_for_an_empty_mapping_is_shown_with_its_plus():
+    """sbatch's `additional_parameters` starts empty: Hydra takes its keys only with `+` (the line said to look
+    the setting up in --cfg job, where it is not)."""
+    from hydra import compose, initialize_config_dir
+    from hydra.errors import ConfigCompositionException
+
+    from xmc_repro.cli import unknown_setting
+    from xmc_repro.resources import resource_dir
+
+    override = "hydra.launcher.additional_parameters={mail-type: END}"
+    with initialize_config_dir(str(resource_dir("conf")), version_base="1.3"):
+        with pytest.raises(ConfigCompositionException) as caught:
+            compose("config", ["hydra/launcher=submitit_slurm", override], return_hydra_config=True)
+    assert unknown_setting(caught.value) == (
+        "unknown setting 'hydra.launcher.additional_parameters.mail-type'; hydra.launcher.additional_parameters "
+        f"starts empty: add to it with '+{override}'")

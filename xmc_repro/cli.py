@@ -110,6 +110,8 @@ def unknown_setting(error: BaseException) -> str | None:
         hint = f"did you mean '{prefix + '.' if prefix else ''}{match}'?"
     elif known:
         hint = f"{prefix or 'the top level'} has: {', '.join(known)}"
+    elif prefix and "use +" in str(error):  # an empty mapping (sbatch's additional_parameters) takes keys with +
+        hint = f"{prefix} starts empty: add to it with '{str(error).rpartition('use ')[2].strip()}'"
     else:
         hint = "python -m xmc_repro --cfg job lists every setting"
     return f"unknown setting '{full_key}'; {hint}"
