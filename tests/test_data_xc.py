@@ -300,23 +300,14 @@ def test_a_data_warning_prints_as_the_one_line_it_says(monkeypatch):
     assert "sources.py:9" in warnings.formatwarning(UserWarning("y"), UserWarning, "sources.py", 9, "")
 
 
-def test_a_training_set_without_any_label_is_refused(tmp_path):
-    """Every point unlabelled (e.g. a features-only file given as the training set): nothing to learn."""
+@pytest.mark.parametrize("unlabelled, what", [("train.txt", "training"), ("test.txt", "test")])
+def test_a_split_without_any_label_is_refused(tmp_path, unlabelled, what):
+    """Every point unlabelled (e.g. a features-only file): a training set teaches nothing; a test set gives every
+    test P@k 0 and, validated on test, epochs chosen on nothing."""
     from xmc_repro.data.sources import load_splits
 
-    (tmp_path / "train.txt").write_text("2 4 6\n 0:1 2:0.5\n 1:1\n")
-    (tmp_path / "test.txt").write_text("1 4 6\n1,2 0:1\n")
+    for name in ("train.txt", "test.txt"):
+        (tmp_path / name).write_text("2 4 6\n 0:1 2:0.5\n 1:1\n" if name == unlabelled else "2 4 6\n0 0:1\n3 1:1\n")
     cfg = {"kind": "xc", "data_dir": str(tmp_path), "train_file": "train.txt", "test_file": "test.txt"}
-    with pytest.raises(DataError, match=rf"^{re.escape(str(tmp_path / 'train.txt'))}: no training point has a label"):
-        load_splits(cfg)
-
-
-def test_a_test_set_without_any_label_is_refused(tmp_path):
-    """Every test point unlabelled: every test P@k 0 and, validated on test, the epochs chosen on nothing."""
-    from xmc_repro.data.sources import load_splits
-
-    (tmp_path / "train.txt").write_text("2 4 6\n0 0:1 2:0.5\n3 1:1\n")
-    (tmp_path / "test.txt").write_text("2 4 6\n 0:1\n 1:1\n")
-    cfg = {"kind": "xc", "data_dir": str(tmp_path), "train_file": "train.txt", "test_file": "test.txt"}
-    with pytest.raises(DataError, match=rf"^{re.escape(str(tmp_path / 'test.txt'))}: no test point has a label"):
+    with pytest.raises(DataError, match=rf"^{re.escape(str(tmp_path / unlabelled))}: no {what} point has a label"):
         load_splits(cfg)
