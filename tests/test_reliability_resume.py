@@ -284,8 +284,36 @@ def test_resume_config_keeps_the_run_settings():
     assert merged.logger.tracking_uri == "sqlite:///new.db" and merged.resume == "abc"
     assert merged.new_section.x == 1
     assert merged.callbacks.size == 8  # a section the run lacks reads the run's settings, not this command line's
-    with pytest.raises(Exception, match="model was"):
+    with pytest.raises(Exception, match="model.head was .uniform. in the run and is .dense. on this command line"):
         resume_config(now, stored, explicit=["model"])
+
+
+def test_resume_refuses_a_setting_the_run_has_as_null_or_predates_and_names_it_in_a_group():
+    from xmc_repro.resume import resume_config
+
+    # a run from before trainer.adam_eps_placement and the unstructured head's distinct_sources (commit bd3f846):
+    # it trained with torch's Adam and distinct positions, without an intermediate layer
+    stored = OmegaConf.create({"model": {"head": "unstructured", "intermediate": None, "rewire_fraction": 0.1},
+                               "trainer": {"max_epochs": 4, "lr": 0.001}, "logger": {}, "resume": None})
+    now = OmegaConf.create({"model": {"head": "unstructured", "intermediate": 64, "rewire_fraction": 0.01,
+                                      "distinct_sources": False},
+                            "trainer": {"max_epochs": 4, "lr": 0.001, "adam_eps_placement": "keras"},
+                            "logger": {}, "resume": "abc"})
+    refused = {"model.intermediate": r"model.intermediate was null in the run and is 64",
+               "trainer.adam_eps_placement": r"trainer.adam_eps_placement was 'torch' \(the run predates",
+               "model.distinct_sources": r"model.distinct_sources was True \(the run predates"}
+    for key, message in refused.items():  # each was dropped without a word: the run went on as before
+        with pytest.raises(ConfigError, match=message):
+            resume_config(now, stored, explicit=["resume", key])
+    # the same command line again: the setting of the group that differs is named, not the whole group
+    with pytest.raises(ConfigError, match=r"model.intermediate was null .* \(from model=...\).*drop model="):
+        resume_config(now, stored, explicit=["resume", "model"])
+    as_it_trained = OmegaConf.create({"model": {"head": "unstructured", "intermediate": None, "rewire_fraction": 0.1,
+                                                "distinct_sources": True},
+                                      "trainer": {"max_epochs": 4, "lr": 0.001, "adam_eps_placement": "torch"},
+                                      "logger": {}, "resume": "abc"})
+    merged = resume_config(as_it_trained, stored, explicit=["resume", "model", "trainer.adam_eps_placement"])
+    assert "adam_eps_placement" not in merged.trainer and merged.model.rewire_fraction == 0.1
 
 
 def test_prepare_starts_new_runs_and_refuses_resume_in_a_sweep():

@@ -172,6 +172,41 @@ def test_a_run_that_predates_a_setting_shows_the_value_it_trained_with_or_unknow
     }
 
 
+def test_runs_from_before_a_setting_are_not_seeds_or_reruns_of_later_runs_with_its_default(store, tmp_path):
+    # After an upgrade: runs from before trainer.adam_eps_placement (torch's Adam) and the unstructured head's
+    # distinct_sources (distinct positions), then the same configurations with the new defaults (keras, False)
+    old = {**params_of(BIBTEX, "uniform", 32), "model/init": "authors"}
+    new = {**old, "trainer/adam_eps_placement": "keras"}
+    log_run(store, old, metrics_of(10.0), table="differences", start=10)
+    log_run(store, {**old, "seed": "1"}, metrics_of(12.0), table="differences", start=11)
+    log_run(store, new, metrics_of(30.0), table="differences", start=12)
+    old_un = params_of(BIBTEX, "unstructured", 32)
+    log_run(store, old_un, metrics_of(20.0), table="differences", start=13)
+    log_run(store, {**old_un, "model/distinct_sources": "False", "seed": "1"}, metrics_of(40.0), table="differences",
+            start=14)
+    rows = export(tmp_path / "runs.csv", store)
+    assert {(r["setup"], r["settings"]): (r["seeds"], float(r["test_p1"])) for r in rows} == {
+        ("uniform", "adam_eps_placement=torch"): ("0;1", 11.0),  # not replaced by the keras seed 0, nor averaged
+        ("uniform", "adam_eps_placement=keras"): ("0", 30.0),
+        ("unstructured", "distinct_sources=True"): ("0", 20.0),
+        ("unstructured", "distinct_sources=False"): ("1", 40.0),
+    }
+
+
+def test_a_row_at_todays_defaults_beside_older_runs_is_its_architectures_point_in_the_figures():
+    """Beside runs from before a setting a row names that setting at its default now: still a default run."""
+    from omegaconf import OmegaConf
+
+    from xmc_repro.report.identity import at_defaults
+    from xmc_repro.resources import resource_dir
+    from xmc_repro.validation import DEFAULT_SINCE_THE_SETTING
+
+    trainer = OmegaConf.load(resource_dir("conf") / "trainer" / "default.yaml")
+    assert {key: trainer[key] for key in DEFAULT_SINCE_THE_SETTING} == DEFAULT_SINCE_THE_SETTING
+    assert at_defaults("") and at_defaults("adam_eps_placement=keras; restore_best=early_stop")
+    assert not at_defaults("adam_eps_placement=torch") and not at_defaults("adam_eps_placement=keras; init=fan_in")
+
+
 def test_params_logged_under_dotted_hydra_keys_read_the_same(store, tmp_path):
     dotted = {key.replace("/", "."): value for key, value in params_of(BIBTEX, "uniform", 32, 256).items()}
     log_run(store, dotted, metrics_of(40.0))

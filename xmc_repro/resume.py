@@ -12,11 +12,12 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from xmc_repro import checkpoints
 from xmc_repro.cli import STARTED_RUNS_ENV
 from xmc_repro.errors import ConfigError
+from xmc_repro.validation import implied_before
 
 CHECKPOINT_ROOT = Path("checkpoints")
 # Settings a resumed run may change: none of them alters what is trained. Everything else comes from the run.
@@ -31,6 +32,7 @@ RESUMABLE_SETTINGS = (
     "trainer.cublas_workspace_mib",
 )
 LIVE_SECTIONS = ("resume", "logger", "hydra")  # always taken from the command line
+_ABSENT = object()  # a setting a config does not have (a run's config predating it)
 
 
 def resume_checkpoint(value, tracking_uri: str | None = None) -> Path:
@@ -191,13 +193,19 @@ def resume_config(cfg: DictConfig, stored: DictConfig, explicit: list[str]) -> D
     """
     merged = stored.copy()
     for key in explicit:
-        if key.split(".")[0] in LIVE_SECTIONS or key in RESUMABLE_SETTINGS:
+        section = key.split(".")[0]
+        if section in LIVE_SECTIONS or key in RESUMABLE_SETTINGS or section not in stored:  # the last: see below
             continue
-        now, then = (OmegaConf.select(c, key, default=None) for c in (cfg, stored))
-        if now is not None and then is not None and _plain(now) != _plain(then):
+        now = OmegaConf.select(cfg, key, default=_ABSENT)
+        if now is _ABSENT:  # not a setting of this config (`~key`, a group packaged elsewhere)
+            continue
+        differs = _difference(stored, key, _plain(now))
+        if differs:
+            name, then, value = differs
+            given = f" (from {key}=...)" if name != key else ""
             raise ConfigError(
-                f"resume: {key} was {_short(then)} in the run and is {_short(now)} on this command line; a resumed "
-                f"run keeps its settings (only {', '.join(RESUMABLE_SETTINGS)} may change): drop {key}=..."
+                f"resume: {name} was {then} in the run and is {value} on this command line{given}; a resumed run "
+                f"keeps its settings (only {', '.join(RESUMABLE_SETTINGS)} may change): drop {key}=..."
             )
     for key in RESUMABLE_SETTINGS:
         if key in explicit:
@@ -210,8 +218,34 @@ def resume_config(cfg: DictConfig, stored: DictConfig, explicit: list[str]) -> D
     return merged
 
 
+def _difference(stored: DictConfig, key: str, now):
+    """(setting, the run's value, this command line's value), as shown, of the first setting at or under `key` whose
+    value on this command line differs from what the run trained with; None when there is none. A null on either
+    side counts, and so does a setting the run predates, by the value it trained with (`implied_before`)."""
+    then = _plain(OmegaConf.select(stored, key, default=_ABSENT))
+    if isinstance(then, dict) and isinstance(now, dict):  # a group choice (model=uniform): name the setting
+        for name in [*then, *(k for k in now if k not in then)]:
+            found = _difference(stored, f"{key}.{name}", now.get(name, _ABSENT))
+            if found:
+                return found
+        return None
+    if then is not _ABSENT:
+        return None if then == now else (key, _shown(then), _shown(now))
+    implied = implied_before(key, OmegaConf.select(stored, "model.head", default=None))
+    if implied is None:
+        return None if now is _ABSENT else (key, "absent (the run predates this setting)", _shown(now))
+    return None if implied == now else (key, f"{_shown(implied)} (the run predates this setting and trained so)",
+                                        _shown(now))
+
+
+def _shown(value) -> str:
+    if value is _ABSENT:
+        return "absent (not a setting of this version)"
+    return "null" if value is None else _short(OmegaConf.create(value) if isinstance(value, dict) else value)
+
+
 def _plain(value):
-    return OmegaConf.to_container(value, resolve=True) if isinstance(value, DictConfig) else value
+    return OmegaConf.to_container(value, resolve=True) if isinstance(value, (DictConfig, ListConfig)) else value
 
 
 def _short(value) -> str:

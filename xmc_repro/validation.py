@@ -32,6 +32,8 @@ RESTORE_BEST = ("early_stop", "always")  # trainer.restore_best: when the best e
 EPS_PLACEMENTS = ("keras", "torch")  # trainer.adam_eps_placement: Adam's epsilon before or after the bias correction
 # The value a run's stored config implies when it predates the setting: how that run trained (and resumes).
 BEFORE_THE_SETTING = {"restore_best": "always", "adam_eps_placement": "torch"}
+# Their defaults now (conf/trainer/default.yaml; a test keeps the two equal).
+DEFAULT_SINCE_THE_SETTING = {"restore_best": "early_stop", "adam_eps_placement": "keras"}
 # Lightning's precisions (its short names too) and accelerators, refused here in one line rather than by Lightning
 PRECISIONS = ("32-true", "bf16-mixed", "16-mixed", "64-true", "bf16-true", "16-true", "32", "bf16", "16", "64")
 ACCELERATORS = ("auto", "cpu", "gpu", "cuda", "mps", "tpu")
@@ -74,6 +76,18 @@ def _is_int(value) -> bool:
         return float(value) == int(float(value)) and int(value) == float(value)
     except (TypeError, ValueError, OverflowError):
         return False
+
+
+def implied_before(key: str, head: str | None):
+    """What a run whose stored config lacks setting `key` (dotted: `trainer.adam_eps_placement`) trained with, as it
+    resumes and as the report counts it; None where that is not known. An unstructured run from before
+    `model.distinct_sources` had distinct positions."""
+    section, _, name = key.partition(".")
+    if section == "trainer" and name in BEFORE_THE_SETTING:
+        return BEFORE_THE_SETTING[name]
+    if key == "model.distinct_sources" and head == "unstructured":
+        return True
+    return None
 
 
 def check_layer_sizes(in_features: int, out_features: int, connectivity: int) -> tuple[int, int, int]:

@@ -19,7 +19,7 @@ import re
 from pathlib import Path
 
 from xmc_repro.report import paper
-from xmc_repro.report.identity import PAPER_DATASETS, describe, paper_dataset
+from xmc_repro.report.identity import PAPER_DATASETS, at_defaults, describe, paper_dataset
 from xmc_repro.report.render import dense_reference
 
 RELATIVE_COLUMNS = ("setup", "memory_vs_dense", "p1_vs_dense", "data", "card", "memory_basis")
@@ -62,11 +62,11 @@ def paper_points(published: list[dict]) -> dict[str, list[dict]]:
 def _unique(runs: list[dict]) -> list[dict]:
     """Runs with P@1 at the default settings and float32, each configuration and machine once (table 2 and table 5
     share some). A run that changes a setting (`settings`, e.g. in the `differences` table) or trains in bf16 is
-    not its architecture's point."""
+    not its architecture's point; one beside older runs that predate a setting is (`identity.at_defaults`)."""
     seen, out = set(), []
     for run in runs:
         key = (run["scale"], run["device"], *(run[c] for c in CONFIG))
-        if run["test_p1"] and not run.get("settings") and not run.get("precision") and key not in seen:
+        if run["test_p1"] and at_defaults(run.get("settings", "")) and not run.get("precision") and key not in seen:
             seen.add(key)
             out.append(run)
     return out

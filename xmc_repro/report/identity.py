@@ -9,7 +9,7 @@ configuration into that name, so that published and measured values can stand si
 
 from __future__ import annotations
 
-from xmc_repro.validation import BEFORE_THE_SETTING
+from xmc_repro.validation import DEFAULT_SINCE_THE_SETTING, implied_before
 
 # The paper's datasets and feature sets -> our config of it (conf/dataset/<name>.yaml), which also names figures.
 # Our configs carry the paper's names (`dataset.name`, `dataset.features`); the smoke scale's stand-ins
@@ -51,8 +51,6 @@ SETTINGS = (
     "trainer/early_stop_min_delta", "trainer/restore_best", "trainer/shuffle_buffer", "trainer/limit_train_batches",
     "trainer/train_eval_max_points", "validate_on",
 )  # fmt: skip
-# What a run that predates one of these settings trained with (both are trainer settings).
-IMPLIED_BEFORE_THE_SETTING = {f"trainer/{key}": value for key, value in BEFORE_THE_SETTING.items()}
 NO_SCALE = "none"  # a run tagged with a table but launched without a scale
 
 
@@ -97,21 +95,36 @@ def setting_name(key: str) -> str:
 def split_by_settings(configs: list[dict], params: list[dict]) -> None:
     """Fill the `settings` of each run's configuration (``configs[i]`` is the run with ``params[i]``) outside the
     `DEFAULT_SETTINGS_TABLES`: the values of the `SETTINGS` in which runs of the same configuration differ. A run
-    that does not log a setting (it predates it) differs from none in it; where others differ in it, it shows the
-    value it trained with where that is known (`IMPLIED_BEFORE_THE_SETTING`), else `?`."""
+    that does not log a setting (it predates it) counts with the value it trained with where that is known
+    (`validation.implied_before`); where it is not, it differs from none in it, and shows `?` where others differ."""
     groups: dict[tuple, list[int]] = {}
     for i, config in enumerate(configs):
         if config["table"] not in DEFAULT_SETTINGS_TABLES:
             groups.setdefault(config_key(config), []).append(i)
     for members in groups.values():
-        differ = [key for key in SETTINGS if len({_value(params[i], key) for i in members} - {""}) > 1]
+        differ = [key for key in SETTINGS if len({_trained_with(params[i], key) for i in members} - {""}) > 1]
         for i in members:
             configs[i]["settings"] = "; ".join(f"{setting_name(key)}={_setting(params[i], key)}" for key in differ)
 
 
+def _trained_with(params: dict, key: str) -> str:
+    """A run's value of a setting; for a run that predates it, the value it trained with where that is known (a
+    run from before `trainer.adam_eps_placement` differs from later runs with the default, keras), else ''."""
+    if key in params or key.replace("/", ".") in params:
+        return _value(params, key)
+    implied = implied_before(key.replace("/", "."), _value(params, "model/head"))
+    return "" if implied is None else str(implied)
+
+
+def at_defaults(settings: str) -> bool:
+    """Whether a `settings` value describes a run with today's default settings: empty, or naming only settings that
+    older runs of its configuration predate, each at its default now (`adam_eps_placement=keras`)."""
+    pairs = [item.split("=", 1) for item in settings.split("; ") if item]
+    return all(DEFAULT_SINCE_THE_SETTING.get(name) == value for name, value in pairs)
+
+
 def _setting(params: dict, key: str) -> str:
-    logged = key in params or key.replace("/", ".") in params
-    return (_value(params, key) if logged else IMPLIED_BEFORE_THE_SETTING.get(key, "")) or "?"
+    return _trained_with(params, key) or "?"
 
 
 def config_key(config: dict) -> tuple[str, ...]:
