@@ -13,6 +13,7 @@ import functools
 import os
 import signal
 import threading
+import time
 from pathlib import Path
 
 import lightning.pytorch as pl
@@ -23,7 +24,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from xmc_repro import checkpoints
 from xmc_repro.callbacks import MemoryPeakReport, SigtermStopsEveryRank, StepProfile, sigterm_noted
-from xmc_repro.console import EpochLine, ProgressBar
+from xmc_repro.console import EpochLine, EvaluationProgress, ProgressBar
 from xmc_repro.data import build_datamodule
 from xmc_repro.describe import run_name
 from xmc_repro.distributed import another_rank_stopped, launch_problem, launch_rank
@@ -121,6 +122,18 @@ def build_model(cfg: DictConfig, dm) -> XMCClassifier:
         cuda_graph=bool(t.get("cuda_graph", True)),
         inv_propensity=inv_prop,
     )
+
+
+def check_memory(cfg: DictConfig, dm) -> None:
+    """ConfigError (one line) when the model's parameters, gradients and Adam state cannot fit in the memory the
+    machine has available now (`xmc_repro.host_memory`)."""
+    from xmc_repro.host_memory import check_fits
+
+    accelerator = str(cfg.trainer.accelerator)
+    on_cpu = accelerator == "cpu" or (accelerator == "auto" and not torch.cuda.is_available())
+    devices = cfg.trainer.devices
+    processes = int(devices) if on_cpu and isinstance(devices, int) else 1  # CPU DDP: every rank holds a copy
+    check_fits(cfg.model, int(dm.num_features), int(dm.num_labels), on_cpu, processes)
 
 
 def build_callbacks(cfg: DictConfig, checkpoint_dir: Path, info: dict | None = None) -> dict[str, pl.Callback]:
@@ -339,7 +352,15 @@ def _fit_and_test(cfg, tracker, checkpoint_dir: Path, resume_from: Path | None, 
         # Pinned batches copy to the GPU without waiting for it; from pageable memory each copy syncs the host.
         pin_memory=torch.cuda.is_available() and str(cfg.trainer.accelerator) in ("auto", "gpu", "cuda"),
     )
+    started = time.perf_counter()
+    if tracker is not None:  # generating or reading 670k-label data takes up to a minute: say what is going on
+        print(f"data: {cfg.dataset.name}, loading ...", flush=True)
     dm.setup("fit")
+    if tracker is not None:
+        print(f"data: {dm.num_train_points:,} training and {dm.test_split.num_points:,} test points, "
+              f"{dm.num_features:,} features, {dm.num_labels:,} labels ({time.perf_counter() - started:.1f} s)",
+              flush=True)
+    check_memory(cfg, dm)  # before the model is built: one that cannot fit would be OOM-killed without a word
     if tracker is not None:
         tracker.log_dataset(cfg.dataset, dm)
         # File-backed datasets learn their sizes from the files: the report needs them for the state bytes.
@@ -399,8 +420,12 @@ def _fit_and_test(cfg, tracker, checkpoint_dir: Path, resume_from: Path | None, 
     model.to(device)
     inv_prop = model.val_metrics.inv_propensity
     evaluate = functools.partial(model.evaluate, inv_propensity=inv_prop, precision=trainer.precision_plugin)
-    test = evaluate(dm.test_dataloader())
-    train = evaluate(dm.train_eval_dataloader(max_points=t.train_eval_max_points))
+    shown = EvaluationProgress(bool(t.progress_bar))  # minutes at 670k labels on a CPU: never a silent terminal
+    with contextlib.closing(shown.track(dm.test_dataloader(), "Test")) as batches:  # a bar ends with its loop or error
+        test = evaluate(batches)
+    train_points = dm.train_eval_dataloader(max_points=t.train_eval_max_points)
+    with contextlib.closing(shown.track(train_points, "Train P@k")) as batches:
+        train = evaluate(batches)
     callbacks["memory"].update(model)
     results = {f"test/{k}": v for k, v in test.items()}
     results.update({f"train/{k}": v for k, v in train.items()})

@@ -9,6 +9,8 @@ data are not included. A run that logged `param_bytes` and `buffer_bytes` is tak
 
 from __future__ import annotations
 
+from xmc_repro.host_memory import model_sizes
+
 # Shapes of datasets whose config does not hold them (read from files): the published statistics.
 KNOWN_SHAPES = {  # dataset name -> (input features, labels)
     "Bibtex": (1836, 159),
@@ -43,29 +45,13 @@ def model_state_bytes(params: dict, metrics: dict | None = None) -> int | None:
     if "param_bytes" in metrics and "buffer_bytes" in metrics:
         return int(3 * metrics["param_bytes"] + metrics["buffer_bytes"])
     dims = shape(params)
-    head = param(params, "model/head")
-    if dims is None or head is None:
+    if dims is None:
         return None
-    width, labels = dims
-    weights, buffers = 0, 0
-    intermediate = param(params, "model/intermediate")
-    if intermediate:
-        weights += width * int(intermediate) + int(intermediate)
-        width = int(intermediate)
-    if head == "dense":
-        weights += width * labels + labels
-    elif head == "bottleneck":
-        size = int(param(params, "model/bottleneck") or 0)
-        bias = size if param(params, "model/bottleneck_activation") == "relu" else 0  # linear: no bias (older runs)
-        weights += width * size + bias + size * labels + labels
-    elif head in ("uniform", "unstructured"):
-        connections = int(param(params, "model/connectivity") or 0) * labels
-        weights += connections + labels
-        buffers += connections * (4 if head == "uniform" else 16)
-    elif head == "mach":
-        hashes, buckets = (int(param(params, f"model/mach/{k}") or 0) for k in ("num_hashes", "num_buckets"))
-        weights += width * hashes * buckets + hashes * buckets
-        buffers += hashes * labels * (4 + 4)
-    else:
+    model = {key: param(params, f"model/{key}") for key in ("head", "intermediate", "connectivity", "bottleneck",
+                                                            "bottleneck_activation")}  # fmt: skip
+    model["mach"] = {key: param(params, f"model/mach/{key}") for key in ("num_hashes", "num_buckets")}
+    sizes = model_sizes(model, *dims)  # a bottleneck run without bottleneck_activation (older): no bias, linear
+    if sizes is None:
         return None
+    weights, buffers, _ = sizes
     return 3 * 4 * weights + buffers

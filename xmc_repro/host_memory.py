@@ -1,0 +1,94 @@
+"""Whether the model can train in this machine's memory, asked before it is built.
+
+A model that does not fit is otherwise found out by the kernel's OOM killer: a 670,091-label head over 135,909
+bag-of-words inputs with an 8,192-unit intermediate layer (1.1 billion parameters) grew to 23 GiB on a 24 GiB
+machine and was SIGKILLed at its first optimizer step, without a word and with its MLflow run left RUNNING. The
+need is known from the shapes alone (`model_sizes`), so a model that cannot fit is refused
+in one line before anything is allocated.
+
+On the CPU a training step holds every float32 parameter four times (weights, gradients, Adam's two moments) and,
+during the step of torch's (unfused) CPU Adam, two temporaries the size of the largest parameter; a GPU run builds
+the model on the host first (weights and index buffers). Activations, the data (already loaded when this runs) and
+the framework come on top: the estimate is a lower bound, so a refusal is never a false alarm.
+"""
+
+from __future__ import annotations
+
+from xmc_repro.errors import ConfigError
+
+GIB = 2**30
+
+
+def model_sizes(model_cfg, num_features: int, num_labels: int) -> tuple[int, int, int] | None:
+    """(float32 parameters, bytes of index buffers, entries of the largest parameter) of the model a config (or a
+    mapping of its settings, as `report.state` makes from a run's params) builds; None for a head of one's own."""
+    get = model_cfg.get
+    width, tensors, buffers = num_features, [], 0
+    if get("intermediate"):
+        tensors += [width * int(get("intermediate")), int(get("intermediate"))]
+        width = int(get("intermediate"))
+    head = get("head")
+    if head == "dense":
+        tensors += [width * num_labels, num_labels]
+    elif head == "bottleneck":
+        size = int(get("bottleneck") or 0)
+        tensors += [width * size, size if get("bottleneck_activation", "relu") == "relu" else 0, size * num_labels,
+                    num_labels]
+    elif head in ("uniform", "unstructured"):
+        connections = int(get("connectivity") or 0) * num_labels
+        tensors += [connections, num_labels]
+        buffers += connections * (4 if head == "uniform" else 16)  # int32 sources | int64 (label, input) pairs
+    elif head == "mach":
+        mach = get("mach") or {}
+        hashes, buckets = int(mach.get("num_hashes") or 0), int(mach.get("num_buckets") or 0)
+        tensors += [width * hashes * buckets, hashes * buckets]
+        buffers += hashes * num_labels * (4 + 4)
+    else:
+        return None
+    return sum(tensors), buffers, max(tensors)
+
+
+def training_bytes(model_cfg, num_features: int, num_labels: int, on_cpu: bool) -> tuple[int, int] | None:
+    """(bytes the host must hold at least, float32 parameters) for training this model; None for an unknown head."""
+    sizes = model_sizes(model_cfg, num_features, num_labels)
+    if sizes is None:
+        return None
+    weights, buffers, largest = sizes
+    if on_cpu:  # weights, gradients, Adam's two moments; the unfused step's two temporaries of the largest tensor
+        return 4 * (4 * weights + 2 * largest) + buffers, weights
+    return 4 * weights + buffers, weights  # built on the host, then moved to the GPU
+
+
+def available_bytes() -> int:
+    """Memory the OS can give this process now without swapping (Linux: MemAvailable)."""
+    import psutil
+
+    return int(psutil.virtual_memory().available)
+
+
+def check_fits(model_cfg, num_features: int, num_labels: int, on_cpu: bool, processes: int = 1,
+               available: int | None = None) -> None:
+    """ConfigError (one line) when the model's training state alone exceeds the available memory; `processes`: how
+    many copies this machine will train at once (DDP ranks on the CPU)."""
+    need = training_bytes(model_cfg, num_features, num_labels, on_cpu)
+    if need is None:
+        return
+    need_bytes, weights = need[0] * max(int(processes), 1), need[1]
+    available = available_bytes() if available is None else int(available)
+    if need_bytes <= available:
+        return
+    where = "to train on the CPU" if on_cpu else "on the host to build it"
+    what = ("weights, gradients, Adam's two moments and its step's temporaries" if on_cpu
+            else "its weights before they move to the GPU")
+    copies = f" x {processes} processes" if processes > 1 else ""
+    intermediate = model_cfg.get("intermediate")
+    fixes = ["lower model.intermediate"] if intermediate else []
+    if model_cfg.get("head") in ("dense", "bottleneck", "mach"):
+        fixes.append("use a sparse head (model=uniform)")
+    fixes.append("or run on a machine with more memory")
+    raise ConfigError(
+        f"model={model_cfg.get('head')}{f' with model.intermediate={intermediate}' if intermediate else ''} over "
+        f"{num_features:,} inputs and {num_labels:,} labels has {weights:,} "
+        f"parameters and needs at least {need_bytes / GIB:.1f} GiB of memory {where} ({what}{copies}), but "
+        f"{available / GIB:.1f} GiB is available; {', '.join(fixes)}"
+    )
