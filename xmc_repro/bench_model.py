@@ -32,6 +32,7 @@ import contextlib
 import gc
 import itertools
 import json
+import logging
 import os
 import time
 import warnings
@@ -299,17 +300,24 @@ def measure_lightning(shape: ModelShape, device, steps: int, warmup: int, precis
     batches = [_batch(shape, torch.device("cpu"), seed=i) for i in range(warmup + steps)]
     loader = DataLoader(batches, batch_size=None, pin_memory=cuda)
     clock = Clock()
-    trainer = pl.Trainer(accelerator=device.type, devices=1, precision=precision, max_steps=warmup + steps,
-                         logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                         enable_model_summary=False,
-                         limit_val_batches=0, num_sanity_val_steps=0, callbacks=[clock])
-    if cuda:
-        gc.collect()
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats(device)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # Lightning's advice on workers and logging
-        trainer.fit(model, train_dataloaders=loader)
+    # Lightning's lines (devices found, tips, why fit stopped) between the benchmark's own: not shown
+    lightning_lines = logging.getLogger("lightning.pytorch.utilities.rank_zero")
+    level = lightning_lines.level
+    lightning_lines.setLevel(logging.WARNING)
+    try:
+        trainer = pl.Trainer(accelerator=device.type, devices=1, precision=precision, max_steps=warmup + steps,
+                             logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                             enable_model_summary=False,
+                             limit_val_batches=0, num_sanity_val_steps=0, callbacks=[clock])
+        if cuda:
+            gc.collect()
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats(device)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # Lightning's advice on workers and logging
+            trainer.fit(model, train_dataloaders=loader)
+    finally:
+        lightning_lines.setLevel(level)
     row = _row(shape, model, "lightning", precision, (clock.end - clock.start) * 1e3 / steps)
     row["cuda_graph"] = model._step_graph is not None
     if cuda:
