@@ -207,3 +207,19 @@ def test_a_key_for_an_empty_mapping_is_shown_with_its_plus():
     assert unknown_setting(caught.value) == (
         "unknown setting 'hydra.launcher.additional_parameters.mail-type'; hydra.launcher.additional_parameters "
         f"starts empty: add to it with '+{override}'")
+
+
+def test_a_setting_of_another_choice_of_its_group_names_that_choice_not_a_plus():
+    """`model.mach.num_hashes=4` under the default model=uniform: `+model.mach.num_hashes=4`, which the line
+    suggested, trains the uniform head and reads nothing of it."""
+    from hydra import compose, initialize_config_dir
+    from hydra.errors import ConfigCompositionException
+
+    from xmc_repro.cli import unknown_setting
+    from xmc_repro.resources import resource_dir
+
+    with initialize_config_dir(str(resource_dir("conf")), version_base="1.3"):
+        with pytest.raises(ConfigCompositionException) as caught:
+            compose("config", ["model.mach.num_hashes=4"])
+    assert unknown_setting(caught.value) == (
+        "unknown setting 'model.mach.num_hashes'; it is a setting of model=mach: choose that first")

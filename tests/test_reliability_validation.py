@@ -108,6 +108,11 @@ REFUSED = {
                               "model.distinct_sources='no' must be true or false"),
     "rewire_exact_count_word": (["model.rewire_exact_count=off"], "model.rewire_exact_count='off' must be true or false"),
     "rewire_every_epoch_word": (["dataset.rewire_every_epoch=no"], "dataset.rewire_every_epoch='no' must be true or false"),
+    # "'False' must be true or false": the quotes or ${oc.env:...} made it a string
+    "flag_quoted": (["trainer.progress_bar='false'"], "trainer.progress_bar='false' is a string, not true or false: "
+                    "write it unquoted"),
+    "flag_from_a_variable": (["dataset.rewire_every_epoch=${oc.env:XMC_TEST_UNSET_VARIABLE,false}"],
+                             "dataset.rewire_every_epoch='False' is a string, not true or false"),
     # an empty MLFLOW_TRACKING_URI: MLflow opened its own default store, then Lightning's logger failed on ./mlruns
     "tracking_uri_empty": (["logger.tracking_uri="], "logger.tracking_uri='' names no store (an empty MLFLOW_TRACKING_URI?)"),
     # OmegaConf's traceback where the setting was first read

@@ -826,3 +826,18 @@ def test_a_damaged_report_input_is_one_line_naming_the_file_and_line(tmp_path, c
     assert report_main(command) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and re.search(message, err), err
+
+
+def test_smoke_rewrites_a_damaged_data_missing_after_its_sweeps(tmp_path):
+    """The earlier file is read only to keep entries this call did not check: damaged, it made `report smoke` fail
+    after all its sweeps had run, naming `report smoke` itself as the remedy, and stay damaged."""
+    import subprocess
+
+    from xmc_repro.report import smoke
+
+    missing = tmp_path / "missing.json"
+    missing.write_text("{broken")
+    sweeps = []
+    sweep = lambda command, **kwargs: sweeps.append(command) or subprocess.CompletedProcess(command, 0)  # noqa: E731
+    smoke.run_smoke(("table5",), f"sqlite:///{tmp_path / 'm.db'}", missing, run=sweep)
+    assert len(sweeps) == 1 and json.loads(missing.read_text()) == {}

@@ -110,7 +110,9 @@ def unknown_setting(error: BaseException) -> str | None:
         hint = f"did you mean '{prefix + '.' if prefix else ''}{match}'?"
     elif known:
         hint = f"{prefix or 'the top level'} has: {', '.join(known)}"
-    elif prefix and "use +" in str(error):  # an empty mapping (sbatch's additional_parameters) takes keys with +
+    elif owner := _choice_declaring(full_key):  # `model.mach.num_hashes=4` under model=uniform (`+` adds it unread)
+        hint = f"it is a setting of {owner}: choose that first"
+    elif prefix.startswith("hydra.") and "use +" in str(error):  # an empty mapping (sbatch's additional_parameters)
         hint = f"{prefix} starts empty: add to it with '{str(error).rpartition('use ')[2].strip()}'"
     else:
         hint = "python -m xmc_repro --cfg job lists every setting"
@@ -155,6 +157,16 @@ def _declared(node, prefix: str = "") -> set[str]:
             keys.add(prefix + str(key))
             keys |= _declared(value, f"{prefix}{key}.")
     return keys
+
+
+def _choice_declaring(key: str) -> str | None:
+    """The group choice (`model=mach`) whose file declares `key` (`model.mach.num_hashes`), if one does."""
+    group, _, rest = key.partition(".")
+    folder = resource_dir("conf") / group
+    for path in sorted(folder.glob("*.yaml")) if rest and folder.is_dir() else ():
+        if rest in _declared(OmegaConf.to_container(OmegaConf.load(path), resolve=False)):
+            return f"{group}={path.stem}"
+    return None
 
 
 def declared_settings(group: str | None) -> set[str]:

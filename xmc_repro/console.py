@@ -12,7 +12,7 @@ import time
 import warnings
 
 import lightning.pytorch as pl
-from rich.progress import BarColumn
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from lightning.pytorch.callbacks import RichProgressBar
 from lightning.pytorch.callbacks.progress.rich_progress import ProcessingSpeedColumn, RichProgressBarTheme
 
@@ -160,8 +160,6 @@ class EvaluationProgress:
         """`loader`'s batches, unchanged, counted as they are taken."""
         total = len(loader)
         if self.bar:
-            from rich.progress import MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
-
             columns = (TextColumn("{task.description}"), BarColumn(bar_width=16), MofNCompleteColumn(),
                        TimeElapsedColumn(), TextColumn("•"), TimeRemainingColumn())
             with Progress(*columns, refresh_per_second=2) as progress:

@@ -48,14 +48,16 @@ def model_sizes(model_cfg, num_features: int, num_labels: int) -> tuple[int, int
     return sum(tensors), buffers, max(tensors)
 
 
-def training_bytes(model_cfg, num_features: int, num_labels: int, on_cpu: bool) -> tuple[int, int] | None:
-    """(bytes the host must hold at least, float32 parameters) for training this model; None for an unknown head."""
+def training_bytes(model_cfg, num_features: int, num_labels: int, on_cpu: bool,
+                   value_bytes: int = 4) -> tuple[int, int] | None:
+    """(bytes the host must hold at least, parameters) for training this model; None for an unknown head.
+    `value_bytes`: 2 where the weights train in 16 bits (`bf16-true`), after they are built in float32."""
     sizes = model_sizes(model_cfg, num_features, num_labels)
     if sizes is None:
         return None
     weights, buffers, largest = sizes
     if on_cpu:  # weights, gradients, Adam's two moments; the unfused step's two temporaries of the largest tensor
-        return 4 * (4 * weights + 2 * largest) + buffers, weights
+        return max(value_bytes * (4 * weights + 2 * largest), 4 * weights) + buffers, weights
     return 4 * weights + buffers, weights  # built on the host, then moved to the GPU
 
 
@@ -67,10 +69,10 @@ def available_bytes() -> int:
 
 
 def check_fits(model_cfg, num_features: int, num_labels: int, on_cpu: bool, processes: int = 1,
-               available: int | None = None) -> None:
+               available: int | None = None, value_bytes: int = 4) -> None:
     """ConfigError (one line) when the model's training state alone exceeds the available memory; `processes`: how
-    many copies this machine will train at once (DDP ranks on the CPU)."""
-    need = training_bytes(model_cfg, num_features, num_labels, on_cpu)
+    many copies this machine will train at once (DDP ranks on the CPU); `value_bytes`: as `training_bytes`."""
+    need = training_bytes(model_cfg, num_features, num_labels, on_cpu, value_bytes)
     if need is None:
         return
     need_bytes, weights = need[0] * max(int(processes), 1), need[1]
@@ -85,10 +87,10 @@ def check_fits(model_cfg, num_features: int, num_labels: int, on_cpu: bool, proc
     fixes = ["lower model.intermediate"] if intermediate else []
     if model_cfg.get("head") in ("dense", "bottleneck", "mach"):
         fixes.append("use a sparse head (model=uniform)")
-    fixes.append("or run on a machine with more memory")
+    fixes.append("run on a machine with more memory")
     raise ConfigError(
         f"model={model_cfg.get('head')}{f' with model.intermediate={intermediate}' if intermediate else ''} over "
         f"{num_features:,} inputs and {num_labels:,} labels has {weights:,} "
         f"parameters and needs at least {need_bytes / GIB:.1f} GiB of memory {where} ({what}{copies}), but "
-        f"{available / GIB:.1f} GiB is available; {', '.join(fixes)}"
+        f"{available / GIB:.1f} GiB is available; {', '.join(fixes[:-1])}{', or ' if fixes[1:] else ''}{fixes[-1]}"
     )

@@ -124,16 +124,22 @@ def build_model(cfg: DictConfig, dm) -> XMCClassifier:
     )
 
 
+def _on_cuda(cfg: DictConfig) -> bool:
+    return torch.cuda.is_available() and str(cfg.trainer.accelerator) in ("auto", "gpu", "cuda")
+
+
 def check_memory(cfg: DictConfig, dm) -> None:
     """ConfigError (one line) when the model's parameters, gradients and Adam state cannot fit in the memory the
     machine has available now (`xmc_repro.host_memory`)."""
     from xmc_repro.host_memory import check_fits
 
-    accelerator = str(cfg.trainer.accelerator)
-    on_cpu = accelerator == "cpu" or (accelerator == "auto" and not torch.cuda.is_available())
+    if launch_rank() != 0:  # rank 0 checked for every rank of this machine; a later rank sees rank 0's copy already
+        return              # taken, and refusing alone would leave rank 0 killed and the run RUNNING
+    on_cpu = not _on_cuda(cfg)
     devices = cfg.trainer.devices
     processes = int(devices) if on_cpu and isinstance(devices, int) else 1  # CPU DDP: every rank holds a copy
-    check_fits(cfg.model, int(dm.num_features), int(dm.num_labels), on_cpu, processes)
+    half = str(cfg.trainer.get("precision", "32-true")) in ("bf16-true", "16-true")  # 16-bit weights and Adam state
+    check_fits(cfg.model, int(dm.num_features), int(dm.num_labels), on_cpu, processes, value_bytes=2 if half else 4)
 
 
 def build_callbacks(cfg: DictConfig, checkpoint_dir: Path, info: dict | None = None) -> dict[str, pl.Callback]:
@@ -350,7 +356,7 @@ def _fit_and_test(cfg, tracker, checkpoint_dir: Path, resume_from: Path | None, 
         eval_batch_size=int(cfg.trainer.eval_batch_size),
         shuffle_buffer=cfg.trainer.get("shuffle_buffer"),  # absent in runs from before it: a uniform permutation
         # Pinned batches copy to the GPU without waiting for it; from pageable memory each copy syncs the host.
-        pin_memory=torch.cuda.is_available() and str(cfg.trainer.accelerator) in ("auto", "gpu", "cuda"),
+        pin_memory=_on_cuda(cfg),
     )
     started = time.perf_counter()
     if tracker is not None:  # generating or reading 670k-label data takes up to a minute: say what is going on

@@ -156,6 +156,9 @@ def _resolvable(cfg: DictConfig) -> None:
 def _flag(cfg: DictConfig, key: str) -> None:
     """A true/false setting: any other value (`no`, `off`, `yes please`) would be read as true where it is used."""
     value = OmegaConf.select(cfg, key, default=False)  # absent (a run from before the setting): its default
+    if isinstance(value, str) and value.lower() in ("true", "false"):  # `key="false"`, or `${oc.env:VAR}`: a string
+        raise ConfigError(f"{key}={value!r} is a string, not true or false: write it unquoted (a variable: "
+                          "${oc.decode:${oc.env:VAR}})")
     if not isinstance(value, bool):
         raise ConfigError(f"{key}={value!r} must be true or false")
 

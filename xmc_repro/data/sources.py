@@ -79,7 +79,7 @@ def load_splits(cfg: dict) -> tuple[Split, Split]:
     train, test = _read_splits(cfg)
     if train.labels.nnz == 0:  # every score would be trained down: hours spent learning nothing
         raise DataError(f"{train.source}: no training point has a label; give the training set with its labels")
-    if test.labels.nnz == 0:  # every test P@k 0, and the epochs chosen on them (validate_on=test) arbitrary
+    if test.labels.nnz == 0:  # every test P@k 0 (with validate_on=test, the epochs chosen on them too): a mistake
         raise DataError(f"{test.source}: no test point has a label, so every test P@k would be 0; give the test set "
                         "with its labels")
     return train, test

@@ -113,7 +113,10 @@ def run_smoke(tables=TABLES, uri: str | None = None, data_missing: Path = DATA_M
             failed.append(table)
     # Datasets these tables did not look for keep what an earlier call found (`--tables table5` checks no real set)
     checked = found | set(missing_now)
-    earlier = {name: where for name, where in read_data_missing(data_missing).items() if name not in checked}
+    try:
+        earlier = {name: where for name, where in read_data_missing(data_missing).items() if name not in checked}
+    except DataError:  # damaged: rewritten from this call's findings (its own remedy is to run this command)
+        earlier = {}
     write_data_missing(data_missing, {**earlier, **missing_now})
     if failed:
         raise SweepFailed(f"jobs of the smoke sweeps of {', '.join(failed)} failed (their errors are above); "
