@@ -223,3 +223,24 @@ def test_a_setting_of_another_choice_of_its_group_names_that_choice_not_a_plus()
             compose("config", ["model.mach.num_hashes=4"])
     assert unknown_setting(caught.value) == (
         "unknown setting 'model.mach.num_hashes'; it is a setting of model=mach: choose that first")
+
+
+def test_lightnings_ddp_advice_that_the_pipeline_follows_on_purpose_is_not_shown(monkeypatch):
+    """Under trainer=ddp every rank printed Lightning's deprecation of broadcast_buffers (its successor is not in
+    torch 2.11) and its advice to sync the metrics rank 0 logs alone on purpose."""
+    import warnings
+
+    from xmc_repro import console
+
+    monkeypatch.setattr(warnings, "filters", list(warnings.filters))  # put back after the test
+    monkeypatch.setattr(warnings, "formatwarning", warnings.formatwarning)
+    console.quiet()
+    with warnings.catch_warnings(record=True) as shown:
+        for message in ("`broadcast_buffers` is deprecated. Use `forward_sync_buffers` instead.",
+                        "It is recommended to use `self.log('epoch_time_s', ..., sync_dist=True)` when logging on "
+                        "epoch level in distributed setting to accumulate the metric across devices.",
+                        "It is recommended to use `self.log('train/loss_epoch', ..., sync_dist=True)` when ...",
+                        "It is recommended to use `self.log('val/p_at_3', ..., sync_dist=True)` when ..."):
+            warnings.warn(message, UserWarning)
+    assert [str(w.message) for w in shown] == ["It is recommended to use `self.log('val/p_at_3', ..., sync_dist=True)` "
+                                               "when ..."]

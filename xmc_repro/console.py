@@ -30,6 +30,9 @@ UNACTIONABLE = (
     r".*is smaller than the logging interval.*",  # short epochs: per-step loss then reaches MLflow once an epoch
     r".*isinstance\(treespec, LeafSpec\)` is deprecated.*",  # Lightning vs. a newer torch
     r"Checkpoint directory .* exists and is not empty.*",  # the run's own folder: its writer lock, or a resume
+    r"`broadcast_buffers` is deprecated.*",  # conf/trainer/ddp.yaml: its successor is not in torch 2.11
+    # logged by rank 0 alone on purpose (the epoch's wall time; the loss's rank-0 share, as the README says)
+    r"It is recommended to use `self.log\('(epoch_time_s|train/loss_epoch)', \.\.\., sync_dist=True\)`.*",
 )
 
 
