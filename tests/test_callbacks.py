@@ -98,6 +98,23 @@ class _Kept(Logger):
         pass
 
 
+def test_the_epoch_line_says_where_a_long_epoch_is_while_it_runs(tmp_path, capsys):
+    """With the progress bar off, an hour-long epoch (670k labels on a CPU) printed nothing until it ended."""
+    from xmc_repro.console import EpochLine
+
+    model = XMCClassifier(TINY["num_features"], TINY["num_labels"], head="uniform", connectivity=4)
+    trainer = quiet_trainer(tmp_path, max_epochs=1, limit_train_batches=3, limit_val_batches=2,
+                            callbacks=[EpochLine(every_s=0.0)])
+    trainer.fit(model, datamodule=build_datamodule(TINY, batch_size=16, seed=0))
+    lines = [line.rsplit("  ", 1)[0] for line in capsys.readouterr().out.splitlines() if " batch " in line]
+    assert lines == ["epoch 1/1  batch 1/3", "epoch 1/1  batch 2/3", "epoch 1/1  batch 3/3",
+                     "epoch 1/1  validation batch 1/2", "epoch 1/1  validation batch 2/2"]
+    quiet = EpochLine()  # the default: a line a minute
+    quiet.on_train_epoch_start(trainer, model)
+    quiet._where(trainer, "batch", 0, 3)
+    assert " batch " not in capsys.readouterr().out
+
+
 def test_step_times_are_window_means_per_epoch_logged_at_each_windows_last_step(tmp_path, capsys):
     from xmc_repro.console import EpochLine
 
