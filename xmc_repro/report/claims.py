@@ -5,7 +5,7 @@ among those run with the default settings: the `claims` sweep and the paper-tabl
 such as `differences`, change a setting on purpose). Accuracy claims use the real datasets we have (Bibtex, Delicious) and leave out
 smoke-scale runs (a few epochs: they show the pipeline, not trained models); memory and time claims use the
 runs on a GPU at a paper dataset's full shape (the synthetic stand-ins), never smoke scale, where the CUDA
-context outweighs the model, and never CPU runs, whose seconds depend on what else shared the cores. A claim without the runs it needs says so: "not measurable here".
+context outweighs the model, and never CPU runs, whose seconds depend on what else shared the cores. A claim without the runs it needs says so: "not measured here".
 """
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ REAL_DATA = ("Bibtex", "Delicious")
 TOLERANCE = 1.0  # percentage points of P@k within which two models count as level
 MEMORY_FACTOR = 3.0  # the paper: uniform needs 3-10 times less GPU memory than dense
 KS = (1, 3, 5)
-HOLDS, FAILS, UNMEASURABLE = "holds", "does not hold here", "not measurable here"
-PARTLY = "holds where measured; the rest is not measurable here"
+HOLDS, FAILS, UNMEASURABLE = "holds", "does not hold here", "not measured here"
+PARTLY = "holds where measured; the rest is not measured here"
 
 
 def _trained(runs: list[dict]) -> list[dict]:
@@ -86,7 +86,7 @@ class Claim:
     def markdown(self) -> str:
         lines = [f"## {self.key}: {self.statement}", "", f"**Verdict: {self.verdict}.** {self.how}", ""]
         if self.verdict == UNMEASURABLE:
-            lines.append(f"Not measurable here: {'; '.join(self.missing) or 'no runs'}.")
+            lines.append(f"Not measured here: {'; '.join(self.missing) or 'no runs'}.")
         else:
             lines += self.lines
             if self.missing:
@@ -139,10 +139,16 @@ def c3_uniform_vs_unstructured(claim: Claim, runs: list[dict]) -> None:
                 # "as good as": uniform at most TOLERANCE below unstructured, one-sided like C2 and C5 (uniform
                 # ahead does not contradict the claim)
                 gaps = [float(uniform[f"test_p{k}"]) - float(run[f"test_p{k}"]) for k in KS]
-                claim.compare(min(gaps) >= -TOLERANCE, f"{dataset}: test P@1/3/5 {_model(uniform)} {_pk(uniform)} "
-                              f"vs {_model(run)} {_pk(run)}", uniform, run)  # fmt: skip
+                text = f"{dataset}: test P@1/3/5 {_model(uniform)} {_pk(uniform)} vs {_model(run)} {_pk(run)}"
+                if run["intermediate"]:
+                    claim.compare(min(gaps) >= -TOLERANCE, text, uniform, run)
+                else:
+                    # The paper claims parity with the intermediate layer; without it its own Table 1 goes both
+                    # ways (Amazon-670K slice: uniform 7.8 P@1 below unstructured; cascade: 6.7 above).
+                    claim.note(text, uniform, run)
         if len(claim.outcomes) == before:
-            claim.missing.append(f"no trained uniform and unstructured runs of equal connectivity on {dataset}")
+            claim.missing.append(f"no trained uniform and unstructured runs of equal connectivity with the same "
+                                 f"intermediate layer on {dataset}")  # fmt: skip
 
 
 def c4_memory(claim: Claim, runs: list[dict]) -> None:
@@ -194,14 +200,38 @@ def c6_more_capacity(claim: Claim, runs: list[dict]) -> None:
     if not claim.outcomes:
         claim.missing.append("no trained uniform runs on Bibtex or Delicious that differ only in connectivity or "
                              "intermediate size")  # fmt: skip
+        return
+    raised, steps = _paper_raises()
+    claim.note(f"the paper's own Tables 2 and 3 (Amazon-670K, Wikipedia-500K) by this rule: {raised} of {steps} steps "
+               "to more connections or a larger intermediate layer are a raise")
+
+
+def _raises(small: dict, large: dict) -> bool:
+    """A raise is more than the TOLERANCE within which two models count as level (as in C1), at P@1 and P@3."""
+    return all(float(large[f"test_p{k}"]) > float(small[f"test_p{k}"]) + TOLERANCE for k in (1, 3))
 
 
 def _ladder(claim: Claim, ordered: list[dict], what: str) -> None:
     for small, large in zip(ordered, ordered[1:]):
-        # a raise is more than the TOLERANCE within which two models count as level (as in C1)
-        ok = all(float(large[f"test_p{k}"]) > float(small[f"test_p{k}"]) + TOLERANCE for k in (1, 3))
-        claim.compare(ok, f"{small['dataset']}, more {what}: {_model(large)} {_pk(large)} vs {_model(small)} "
-                      f"{_pk(small)}", large, small)  # fmt: skip
+        claim.compare(_raises(small, large), f"{small['dataset']}, more {what}: {_model(large)} {_pk(large)} vs "
+                      f"{_model(small)} {_pk(small)}", large, small)  # fmt: skip
+
+
+def _paper_raises() -> tuple[int, int]:
+    """(steps that are a raise by C6's rule, all steps) along the published Tables 2 and 3: each size ladder, the
+    other size fixed; for scale beside our verdict."""
+    from xmc_repro.report import paper
+
+    rows = [r for r in paper.load() if r["table"].startswith(("table2_size", "table3_size"))]
+    raised = steps = 0
+    for table, dataset, features in {(r["table"], r["dataset"], r["features"]) for r in rows}:
+        here = [r for r in rows if (r["table"], r["dataset"], r["features"]) == (table, dataset, features)]
+        for fixed, varied in (("connectivity", "intermediate"), ("intermediate", "connectivity")):
+            for value in {r[fixed] for r in here}:
+                ladder = sorted((r for r in here if r[fixed] == value), key=lambda r: int(r[varied]))
+                for small, large in zip(ladder, ladder[1:]):
+                    raised, steps = raised + _raises(small, large), steps + 1
+    return raised, steps
 
 
 
@@ -213,9 +243,10 @@ CLAIMS = (
      "same data.")),
     (c2_intermediate, ("C2", "a dense intermediate layer brings the uniform model to the dense model's P@k",
      f"Holds where uniform + intermediate is at most {TOLERANCE:g} point below dense in test P@1, P@3 and P@5.")),
-    (c3_uniform_vs_unstructured, ("C3", "uniform sparsity is as good as unstructured sparsity at equal connectivity",
-     f"Holds where uniform's test P@1, P@3 and P@5 are at most {TOLERANCE:g} point below unstructured's, with and "
-     "without the same intermediate layer.")),
+    (c3_uniform_vs_unstructured, ("C3", "with an intermediate layer, uniform sparsity is as good as unstructured "
+     "sparsity at equal connectivity",
+     f"Holds where uniform's test P@1, P@3 and P@5 are at most {TOLERANCE:g} point below unstructured's, both after "
+     "the same intermediate layer (the paper's comparison; without one, shown but not counted).")),
     (c4_memory, ("C4", "a uniform last layer needs a small fraction of the dense layer's GPU memory (3-10x less)",
      f"Holds where dense's peak GPU memory is at least {MEMORY_FACTOR:g} times the uniform model's, on the same "
      "card and data shape.")),
@@ -242,9 +273,12 @@ def markdown(claims: list[Claim]) -> str:
         "# The paper's claims, checked against our runs",
         "",
         "Rendered by `dvc repro` from results/records (`xmc_repro/report/claims.py`). P@k in percent on the test "
-        f"split; two models are level within {TOLERANCE:g} point. Accuracy: Bibtex and Delicious runs, smoke scale "
-        "excluded. Memory and time: GPU runs at a dataset's full shape. Runs with the default settings only (the "
-        "`claims` sweep and the paper-table presets). Each comparison lists the runs it used.",
+        f"split; two models are level within {TOLERANCE:g} point. Accuracy: Bibtex (159 labels) and Delicious (983 "
+        "labels), bag-of-words inputs, trained on a CPU with the authors' protocol (the best epoch chosen on test "
+        "P@3), the mean over the seeds each comparison lists; smoke scale excluded. The paper's datasets (31k-670k "
+        "labels, dense embeddings) are not available here, so accuracy verdicts say what holds on these two small "
+        "sets. Memory and time: GPU runs on synthetic inputs at a dataset's full shape. Runs with the default "
+        "settings only (the `claims` sweep and the paper-table presets). Each comparison lists the runs it used.",
         "",
         "| Claim | Verdict |",
         "|---|---|",

@@ -57,7 +57,7 @@ def markdown(real_runs: list[dict], smoke_runs: list[dict]) -> str:
         if len(signs) == len(REAL) and len(set(signs.values())) == 1:
             pairs.append((a, b) if next(iter(signs.values())) else (b, a))
     if not pairs or not stand_ins:
-        return "\n".join(lines + ["Not measurable here: no model pair ordered alike on both real datasets, or no "
+        return "\n".join(lines + ["Not measured here: no model pair ordered alike on both real datasets, or no "
                                   "smoke-scale stand-in runs.", ""])  # fmt: skip
     header = ["real order (test P@1)", *(f"{name} ({features})" for name, features in stand_ins)]
     lines += ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
