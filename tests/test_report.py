@@ -507,8 +507,9 @@ def test_training_state_bytes_match_the_model(head, extra, intermediate):
 # ---------------------------------------------------------------------------------------------------- claims
 
 
-def claim_runs(store, out_dir, gpu_bce=True, **changes):
+def claim_runs(store, out_dir, gpu_bce=True, gpu_gib=1.2, gpu_seconds=None, **changes):
     """Bibtex runs (not smoke scale) for which every claim holds, with `changes` {name: test P@1} applied."""
+    gpu_seconds = gpu_seconds or {}
     p1 = {"dense": 60.0, "uniform32": 20.0, "unstructured32": 21.0, "uniform32+1024": 60.5, "unstructured32+1024": 60.0,
           "uniform64+1024": 63.0, "uniform32+2048": 63.0, "uniform32+1024 bce": 59.0, **changes}  # fmt: skip
     for name, value in p1.items():
@@ -519,10 +520,10 @@ def claim_runs(store, out_dir, gpu_bce=True, **changes):
                 metrics_of(value, train_p1=value + 30, seconds=2.0 if loss else 1.0), table="claims",
                 scale="paper")  # fmt: skip
     # memory and time at a full shape on a GPU
-    log_run(store, params_of(("Synthetic-Amazon-670K", "synthetic"), "dense"), metrics_of(0.1, memory=9.7),
-            device=H200, scale="paper")  # fmt: skip
+    log_run(store, params_of(("Synthetic-Amazon-670K", "synthetic"), "dense"),
+            metrics_of(0.1, memory=9.7, seconds=gpu_seconds.get("dense", 6.0)), device=H200, scale="paper")
     log_run(store, params_of(("Synthetic-Amazon-670K", "synthetic"), "uniform", 32, 32768),
-            metrics_of(0.1, memory=1.2), device=H200, scale="paper")  # fmt: skip
+            metrics_of(0.1, memory=gpu_gib, seconds=gpu_seconds.get("uniform", 1.5)), device=H200, scale="paper")
     if gpu_bce:  # squared hinge's epoch (1.5 s) shorter than BCE's, on the same GPU
         log_run(store, params_of(("Synthetic-Amazon-670K", "synthetic"), "uniform", 32, 32768, "bce"),
                 metrics_of(0.1, memory=1.2, seconds=3.0), device=H200, scale="paper")  # fmt: skip
@@ -533,10 +534,19 @@ def test_claims_hold_on_runs_that_show_them(store, tmp_path):
     from xmc_repro.report.claims import write_claims
 
     verdicts = write_claims(claim_runs(store, tmp_path), tmp_path / "claims.md")
-    assert verdicts == {"C1": "holds", "C2": "holds", "C3": "holds", "C4": "holds", "C5": "holds", "C6": "holds"}
+    assert verdicts == {f"C{i}": "holds" for i in range(1, 9)}
     text = (tmp_path / "claims.md").read_text()
     assert "dense 9.70 GiB, uniform 32 + 32768 intermediate 1.20 GiB: 8.1x less" in text
-    assert "run " in text and text.count("## C") == 6
+    assert "uniform 32 + 32768 intermediate 1.5 s, dense 6.0 s per epoch: 4.0x" in text
+    assert "run " in text and text.count("## C") == 8
+
+
+def test_the_papers_4_gb_and_faster_epoch_claims_fail_on_runs_that_contradict_them(store, tmp_path):
+    from xmc_repro.report.claims import evaluate
+
+    claims = {c.key: c for c in evaluate(claim_runs(store, tmp_path, gpu_gib=4.2, gpu_seconds={"uniform": 7.0}))}
+    assert claims["C7"].verdict == claims["C8"].verdict == "does not hold here"
+    assert "uniform 32 + 32768 intermediate 4.20 GiB" in claims["C7"].markdown()
 
 
 def test_epoch_times_of_cpu_runs_do_not_decide_a_claim(store, tmp_path):

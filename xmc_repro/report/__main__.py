@@ -42,7 +42,7 @@ def parser() -> argparse.ArgumentParser:
     render.add_argument("--data-missing", type=Path, default=RESULTS / "data_missing.json")
     render.add_argument("--tables", type=Path, default=RESULTS / "tables")
     render.add_argument("--figures", type=Path, default=RESULTS / "figures")
-    claims = commands.add_parser("claims", help="runs.csv -> the paper's six claims, verdicted (claims.md)")
+    claims = commands.add_parser("claims", help="runs.csv -> the paper's claims, verdicted (claims.md)")
     claims.add_argument("--runs", type=Path, default=RESULTS / "runs.csv")
     claims.add_argument("--out", type=Path, default=RESULTS / "claims.md")
     return main
