@@ -549,6 +549,24 @@ def test_the_papers_4_gb_and_faster_epoch_claims_fail_on_runs_that_contradict_th
     assert "uniform 32 + 32768 intermediate 4.20 GiB" in claims["C7"].markdown()
 
 
+def test_a_stand_in_run_without_the_smoke_scale_tag_is_no_670k_label_run(store, tmp_path):
+    """A smoke stand-in (Smoke-Amazon-670K: 3,278 labels) launched without scale=smoke is tagged scale "none"; C7
+    and C8 took it for a run at Amazon-670K's shape."""
+    from xmc_repro.report.claims import evaluate
+    from xmc_repro.report.export import export
+
+    runs = claim_runs(store, tmp_path)
+    runs = [r for r in runs if not (r["dataset"].startswith("Synthetic") and r["setup"] == "uniform")]
+    log_run(store, params_of(SMOKE_AMAZON_SLICE, "uniform", 32, 128), metrics_of(5.0, memory=0.06, seconds=0.1),
+            device=H200, scale=None)
+    log_run(store, params_of(SMOKE_AMAZON_SLICE, "dense"), metrics_of(20.0, memory=0.07, seconds=0.2), device=H200,
+            scale=None)
+    stand_in = [r for r in export(tmp_path / "more.csv", store) if r["dataset"].startswith("Smoke")]
+    assert {r["scale"] for r in stand_in} == {"none"}
+    claims = {c.key: c for c in evaluate(runs + stand_in)}
+    assert claims["C7"].verdict == claims["C8"].verdict == "not measured here"
+
+
 def test_epoch_times_of_cpu_runs_do_not_decide_a_claim(store, tmp_path):
     """CPU seconds depend on what else shared the cores: without GPU runs of both losses C5 is only half measured."""
     from xmc_repro.report.claims import evaluate

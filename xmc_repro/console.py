@@ -30,7 +30,8 @@ UNACTIONABLE = (
     r".*is smaller than the logging interval.*",  # short epochs: per-step loss then reaches MLflow once an epoch
     r".*isinstance\(treespec, LeafSpec\)` is deprecated.*",  # Lightning vs. a newer torch
     r"Checkpoint directory .* exists and is not empty.*",  # the run's own folder: its writer lock, or a resume
-    r"`broadcast_buffers` is deprecated.*",  # conf/trainer/ddp.yaml: its successor is not in torch 2.11
+    # torch 2.13 deprecates conf/trainer/ddp.yaml's broadcast_buffers=false and itself advises keeping it for now
+    r"`broadcast_buffers` is deprecated.*",
     # logged by rank 0 alone on purpose (the epoch's wall time; the loss's rank-0 share, as the README says)
     r"It is recommended to use `self.log\('(epoch_time_s|train/loss_epoch)', \.\.\., sync_dist=True\)`.*",
 )
@@ -146,7 +147,8 @@ class EpochLine(pl.Callback):
         if now - self._last_line < self.every_s or trainer.global_rank != 0 or self._start is None:
             return
         self._last_line = now
-        print(f"epoch {trainer.current_epoch + 1}/{trainer.max_epochs}  {what} {batch_idx + 1:,}/{total:,}  "
+        of = f"/{total:,}" if total != float("inf") else ""  # an iterable dataset's epoch has no known length
+        print(f"epoch {trainer.current_epoch + 1}/{trainer.max_epochs}  {what} {batch_idx + 1:,}{of}  "
               f"{time.perf_counter() - self._start:.0f} s", flush=True)
 
     def on_train_epoch_end(self, trainer, pl_module):

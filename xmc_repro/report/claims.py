@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from xmc_repro.report.identity import DEFAULT_SETTINGS_TABLES
+from xmc_repro.report.identity import DEFAULT_SETTINGS_TABLES, SMOKE_PREFIX
 
 REAL_DATA = ("Bibtex", "Delicious")
 TOLERANCE = 1.0  # percentage points of P@k within which two models count as level
@@ -153,7 +153,7 @@ def c3_uniform_vs_unstructured(claim: Claim, runs: list[dict]) -> None:
 
 
 def c4_memory(claim: Claim, runs: list[dict]) -> None:
-    gpu = [r for r in runs if r["scale"] != "smoke" and r["memory_gib"]]
+    gpu = [r for r in runs if _full_shape(r) and r["memory_gib"]]
     for dense in [r for r in gpu if r["setup"] == "dense" and not r["intermediate"]]:
         same = [r for r in gpu if r["setup"] == "uniform" and r["loss"] == dense["loss"]
                 and all(r[c] == dense[c] for c in ("dataset", "features", "device"))]  # fmt: skip
@@ -166,13 +166,18 @@ def c4_memory(claim: Claim, runs: list[dict]) -> None:
         claim.missing.append("no dense and uniform runs with peak GPU memory at a dataset's full shape")
 
 
+def _full_shape(run: dict) -> bool:
+    """Not a smoke-size model: a stand-in launched without scale=smoke is tagged scale "none" but has its few labels."""
+    return run["scale"] != "smoke" and not run["dataset"].startswith(SMOKE_PREFIX)
+
+
 def _full_shape_gpu(runs: list[dict]) -> list[dict]:
-    return [r for r in runs if r["scale"] != "smoke" and r["memory_gib"] and r["time_per_epoch_s"]]
+    return [r for r in runs if _full_shape(r) and r["memory_gib"] and r["time_per_epoch_s"]]
 
 
 def c7_one_small_gpu(claim: Claim, runs: list[dict]) -> None:
     for run in _full_shape_gpu(runs):
-        if run["setup"] == "uniform" and run["intermediate"] and "Amazon-670K" in run["dataset"]:
+        if run["setup"] == "uniform" and run["intermediate"] and run["dataset"].endswith("Amazon-670K"):
             gib = float(run["memory_gib"])
             claim.compare(gib < SMALL_GPU_GIB, f"{run['dataset']} on {run['device']}: {_model(run)} {gib:.2f} GiB",
                           run)
@@ -190,10 +195,29 @@ def c8_epoch_time(claim: Claim, runs: list[dict]) -> None:
                           f"{b:.1f} s per epoch: {b / a:.1f}x", uniform, dense)  # fmt: skip
     if not claim.outcomes:
         claim.missing.append("no dense and uniform + intermediate runs timed on one GPU at a dataset's full shape")
+        return
+    faster, datasets = _paper_faster_epochs()
+    claim.note(f"the paper's Table 1: uniform + intermediate faster per epoch than dense on {faster} of its "
+               f"{datasets} datasets and features")
+
+
+def _paper_faster_epochs() -> tuple[int, int]:
+    """(datasets with features where the published uniform + intermediate epoch is shorter than dense's, all)."""
+    from xmc_repro.report import paper
+
+    rows = [r for r in paper.load() if r["table"] == "table1_architecture" and r["time_per_epoch_s"]]
+    pairs = {(r["dataset"], r["features"]) for r in rows}
+    faster = 0
+    for data in pairs:
+        here = [r for r in rows if (r["dataset"], r["features"]) == data]
+        dense = [float(r["time_per_epoch_s"]) for r in here if r["setup"] == "dense"]
+        uniform = [float(r["time_per_epoch_s"]) for r in here if r["setup"] == "uniform" and r["intermediate"]]
+        faster += bool(dense and uniform and max(uniform) < min(dense))
+    return faster, len(pairs)
 
 
 def c5_loss(claim: Claim, runs: list[dict]) -> None:
-    timed = [r for r in runs if r["scale"] != "smoke" and r["time_per_epoch_s"] and not r["device"].startswith("cpu")]
+    timed = [r for r in runs if _full_shape(r) and r["time_per_epoch_s"] and not r["device"].startswith("cpu")]
     for bce in [r for r in timed if r["loss"] == "bce"]:
         hinge = [r for r in timed if r["loss"] == "squared_hinge" and all(r[c] == bce[c] for c in (
             "dataset", "features", "setup", "connectivity", "intermediate", "device"))]  # fmt: skip
@@ -304,7 +328,8 @@ CLAIMS = (
      "allocator's cache come on top).")),
     (c8_epoch_time, ("C8", "with an intermediate layer, the uniform model trains an epoch faster than the dense "
      "last layer", "Holds where its time per epoch is below the dense model's (without intermediate layer, as in "
-     "the paper's Table 1) on the same GPU and data shape.")),
+     "the paper's Table 1) on the same GPU and data shape. The ratio depends on the epoch's length, which "
+     "evaluation weighs on more in a short one.")),
 )  # fmt: skip
 
 
@@ -326,7 +351,8 @@ def markdown(claims: list[Claim]) -> str:
         "labels), bag-of-words inputs, trained on a CPU with the authors' protocol (the best epoch chosen on test "
         "P@3), the mean over the seeds each comparison lists; smoke scale excluded. The paper's datasets (31k-670k "
         "labels, dense embeddings) are not available here, so accuracy verdicts say what holds on these two small "
-        "sets. Memory and time: GPU runs on synthetic inputs at a dataset's full shape. Runs with the default "
+        "sets. Memory and time: GPU runs on synthetic inputs with a dataset's labels and input size (an epoch is "
+        "the run's own number of training points, which runs.csv does not record). Runs with the default "
         "settings only (the `claims` sweep and the paper-table presets). Each comparison lists the runs it used.",
         "",
         "| Claim | Verdict |",

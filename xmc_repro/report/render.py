@@ -298,8 +298,8 @@ FOOTNOTES = [
     "ᵃ: from the authors' supplementary tables (xmc-aalto/ecml23-sparse), not the paper's table.",
     "Mem. GiB: ours is `torch.cuda.max_memory_allocated` from the start of `fit`, evaluations included (the CUDA "
     "context and the allocator's cache not included), the paper's TensorFlow's peak since its process started; a "
-    "smoke run's model is 128 times narrower than the paper's, so its memory is not comparable with the published "
-    "value.",
+    "smoke run's model is far smaller than the paper's (a stand-in's few labels and inputs, an intermediate layer "
+    "128 times narrower), so its memory is not comparable with the published value.",
     "Conn.: connections per label (dense: the input size; bottleneck: its width). Inter.: the paper's size of the "
     "intermediate layer (for a stand-in; Bibtex and Delicious show their own); a smoke run's actual, 128 times "
     "narrower, width is in *Our run*.",
