@@ -3,8 +3,8 @@
 A model that does not fit is otherwise found out by the kernel's OOM killer: a 670,091-label head over 135,909
 bag-of-words inputs with an 8,192-unit intermediate layer (1.1 billion parameters) grew to 23 GiB on a 24 GiB
 machine and was SIGKILLed at its first optimizer step, without a word and with its MLflow run left RUNNING. The
-need is known from the shapes alone (`model_sizes`), so a model that cannot fit is refused
-in one line before anything is allocated.
+need is known from the shapes alone (`model_sizes`), so a model that cannot fit is refused in one line before
+anything is allocated.
 
 On the CPU a training step holds every float32 parameter four times (weights, gradients, Adam's two moments) and,
 during the step of torch's (unfused) CPU Adam, two temporaries the size of the largest parameter; a GPU run builds
