@@ -531,8 +531,8 @@ def _main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m xmc_repro.bench", description=__doc__.split("\n")[0])
     ap.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
     ap.add_argument("--full", action="store_true", help="the paper's shapes (default on a GPU)")
-    ap.add_argument("--out", default="results/bench", help="folder for the JSON and markdown results, named after the machine (default: "
-                    "results/bench, where they replace the committed files of this machine)")
+    ap.add_argument("--out", default="results/bench", help="folder for the JSON and markdown results, named after "
+                    "the machine (default: results/bench, where they replace the committed files of this machine)")
     ap.add_argument("--methods", default=None,
                     help=f"comma list from {','.join(ALL)}, on a GPU also {','.join(ON_REQUEST)} (default: per case)")
     ap.add_argument("--max-cases", type=_positive(int), default=None, help="run only the first N cases")

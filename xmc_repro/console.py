@@ -121,7 +121,8 @@ class EpochLine(pl.Callback):
     """With the progress bar off (logs, cluster jobs): one line per epoch, printed once validation is done:
     `epoch 3/8  loss 0.412  val P@1 41.20 P@3 30.15 P@5 24.02  lr 1.0e-03  12.3 s  2.41 ms/step`
     (the median over the epoch's step windows, xmc_repro.callbacks.EpochTime). An epoch can take an hour (670k labels
-    on a CPU): while it runs, a line every `every_s` seconds says where it is (`epoch 3/8  batch 1,200/15,327  61 s`)."""
+    on a CPU): while it runs, a line every `every_s` seconds says where it is
+    (`epoch 3/8  batch 1,200/15,327  61 s`)."""
 
     def __init__(self, every_s: float = 60.0):
         self.every_s = every_s

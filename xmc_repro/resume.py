@@ -194,8 +194,8 @@ def resume_config(cfg: DictConfig, stored: DictConfig, explicit: list[str]) -> D
     merged = stored.copy()
     for key in explicit:
         section = key.split(".")[0]
-        if section in LIVE_SECTIONS or key in RESUMABLE_SETTINGS or section not in stored:  # the last: newer than the run, from here
-            continue
+        if section in LIVE_SECTIONS or key in RESUMABLE_SETTINGS or section not in stored:  # the last: newer than
+            continue  # the run, taken from this command line below
         now = OmegaConf.select(cfg, key, default=_ABSENT)
         if now is _ABSENT:  # not a setting of this config (`~key`, a group packaged elsewhere)
             continue

@@ -2,10 +2,11 @@
 
 Runs are chosen by their configuration (head, connectivity, intermediate layer, loss, dataset) from runs.csv,
 among those run with the default settings: the `claims` sweep and the paper-table presets (runs of other tables,
-such as `differences`, change a setting on purpose). Accuracy claims use the real datasets we have (Bibtex, Delicious) and leave out
-smoke-scale runs (a few epochs: they show the pipeline, not trained models); memory and time claims use the
-runs on a GPU at a paper dataset's full shape (the synthetic stand-ins), never smoke scale, where the CUDA
-context outweighs the model, and never CPU runs, whose seconds depend on what else shared the cores. A claim without the runs it needs says so: "not measured here".
+such as `differences`, change a setting on purpose). Accuracy claims use the real datasets we have (Bibtex,
+Delicious) and leave out smoke-scale runs (a few epochs: they show the pipeline, not trained models); memory and
+time claims use the runs on a GPU with a paper dataset's labels and inputs (the synthetic stand-ins), never smoke
+scale, where the CUDA context outweighs the model, and never CPU runs, whose seconds depend on what else shared
+the cores. A claim without the runs it needs says so: "not measured here".
 """
 
 from __future__ import annotations
