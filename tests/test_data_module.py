@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -11,7 +12,7 @@ from conftest import TINY
 from omegaconf import OmegaConf
 
 from xmc_repro.data import build_datamodule, load_npy_features, write_xc
-from xmc_repro.data.datamodule import buffered_shuffle
+from xmc_repro.data.datamodule import buffered_shuffle, share_bounds
 from xmc_repro.data.labels import LabelCSR
 from xmc_repro.data.sources import shared_data_root
 from xmc_repro.errors import ConfigError, DataError
@@ -76,6 +77,31 @@ def test_batches_match_the_data(tmp_path):
     xb = next(iter(l2.test_dataloader()))[0].numpy()
     norms = np.linalg.norm(x[:8], axis=1, keepdims=True)
     np.testing.assert_allclose(xb, np.divide(x[:8], norms, out=np.zeros_like(x[:8]), where=norms > 0), rtol=1e-6)
+
+
+def test_ddp_ranks_get_the_global_batch_inputs_and_their_share_of_labels():
+    """Each of 3 ranks gets every global batch's inputs (the model draws dropout over them) and the labels of its
+    np.array_split part; the parts cover every point once, the last batch (300 = 9 x 32 + 12) included."""
+    dm = setup_dm(TINY, batch_size=32, seed=5)
+    x, labels = dm.train_split.features, dm.train_split.labels
+    order = np.random.default_rng([5, 0]).permutation(300)
+    ranks = []
+    for rank in range(3):
+        dm.trainer = SimpleNamespace(global_rank=rank, world_size=3)
+        ranks.append(list(dm.train_dataloader()))
+    labelled = []
+    for b, shares in enumerate(zip(*ranks)):
+        positions = order[32 * b : 32 * (b + 1)]
+        parts = np.array_split(positions, 3)
+        for rank, (xb, ptr, idx) in enumerate(shares):
+            np.testing.assert_array_equal(xb.numpy(), x[positions])
+            expected = labels.take(parts[rank])
+            np.testing.assert_array_equal(ptr.numpy(), expected.ptr)
+            np.testing.assert_array_equal(idx.numpy(), expected.idx)
+            start = sum(map(len, parts[:rank]))
+            assert share_bounds(len(positions), rank, 3) == (start, start + len(parts[rank]))
+            labelled.extend(parts[rank])
+    assert sorted(labelled) == list(range(300))
 
 
 def test_epoch_order_is_seeded_and_complete():

@@ -12,6 +12,7 @@ from omegaconf import OmegaConf
 from torch.utils.data import DataLoader
 
 from xmc_repro.callbacks import Rewiring
+from xmc_repro.data.datamodule import share_bounds
 from xmc_repro.distributed import (
     RankDivergenceError,
     assert_identical_across_ranks,
@@ -38,8 +39,8 @@ def tiny_data(seed: int):
 
 
 class TinyData(pl.LightningDataModule):
-    """Global batches of GLOBAL_BATCH rows in order; under DDP each rank takes its half of every global batch
-    (what the pipeline's DataModule does), so both runs step on the same points."""
+    """Global batches of GLOBAL_BATCH rows in order; under DDP each rank gets the inputs of every global batch and
+    the labels of its share, as from the pipeline's DataModule, so both runs step on the same points."""
 
     def __init__(self, data):
         super().__init__()
@@ -47,7 +48,8 @@ class TinyData(pl.LightningDataModule):
 
     def _loader(self, rows, world=1, rank=0):
         batches = [rows[i : i + GLOBAL_BATCH] for i in range(0, len(rows), GLOBAL_BATCH)]
-        batches = [b[rank::world] for b in batches]
+        if world > 1:
+            batches = [(b, slice(*share_bounds(len(b), rank, world))) for b in batches]
         return DataLoader(batches, batch_size=None, shuffle=False, collate_fn=self.collate)
 
     def train_dataloader(self):
@@ -57,8 +59,9 @@ class TinyData(pl.LightningDataModule):
         return self._loader(list(range(N_TRAIN, N_TRAIN + N_VAL)))
 
     def collate(self, rows):
+        rows, share = rows if isinstance(rows, tuple) else (rows, slice(None))
         x, ptr, idx = self.data
-        labels = [idx[ptr[r] : ptr[r + 1]] for r in rows]
+        labels = [idx[ptr[r] : ptr[r + 1]] for r in rows[share]]
         lengths = torch.tensor([0] + [len(lab) for lab in labels])
         return x[rows], lengths.cumsum(0), torch.cat(labels)
 
@@ -84,6 +87,7 @@ class Recorder(pl.Callback):
 
 
 def train(model, data, devices: int, folder, rewiring=None):
+    torch.manual_seed(3)  # the dropout masks' stream, which forked ranks inherit
     rewiring = rewiring or Rewiring(0.25, every_n_steps=REWIRE_EVERY, seed=5)
     trainer = pl.Trainer(
         accelerator="cpu", devices=devices, max_epochs=2,
@@ -99,7 +103,8 @@ def train(model, data, devices: int, folder, rewiring=None):
 @pytest.mark.parametrize("head", ["uniform"])
 def test_ddp_two_ranks_match_one_process(tmp_path, head):
     torch.manual_seed(0)
-    model = XMCClassifier(FEATURES, LABELS, head=head, connectivity=4, intermediate=16, dropout=0.0)
+    # Dropout on: each rank draws the global batch's mask and keeps its share's rows, as one process would.
+    model = XMCClassifier(FEATURES, LABELS, head=head, connectivity=4, intermediate=16, dropout=0.5)
     initial = model.head.indices.clone()
     data = tiny_data(1)
     (tmp_path / "single").mkdir()

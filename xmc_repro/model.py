@@ -13,6 +13,7 @@ from torch import nn
 
 from lightning.pytorch.utilities import rank_zero_warn
 
+from xmc_repro.data.datamodule import share_bounds
 from xmc_repro.errors import ConfigError
 from xmc_repro.losses import TrainingLossLog
 from xmc_repro.metrics import XMCMetrics
@@ -167,16 +168,30 @@ class XMCClassifier(pl.LightningModule):
             except CaptureError as error:  # train on, eagerly: slower, same result
                 self._step_graph, self._graph_off = None, str(error)
                 rank_zero_warn(f"the training step runs eagerly: its CUDA graph capture failed ({error})")
+        rows = len(label_ptr) - 1
         if loss is None:
-            scores = self.head(self.encoder(x))
+            scores = self.head(self._encode_share(x, rows))
             targets = getattr(self.head, "meta_labels", None)
             if targets is not None:  # a head trained on other targets than the labels (MACH: hashed labels)
                 label_ptr, label_idx = targets(label_ptr, label_idx)
             loss = self.loss_fn(scores, label_ptr, label_idx)
         last = self._trainer is not None and self.trainer.is_last_batch
-        self._stop_if_non_finite(self._losses.add(loss, self.global_step, x.shape[0], flush=last))
-        self._log_step_loss(loss, x.shape[0])
+        self._stop_if_non_finite(self._losses.add(loss, self.global_step, rows, flush=last))
+        self._log_step_loss(loss, rows)
         return loss
+
+    def _encode_share(self, x: torch.Tensor, rows: int) -> torch.Tensor:
+        """The encoder's output for the batch's `rows` labelled points. A DDP rank's batch holds the inputs of the
+        whole global batch (`RankShare`): dropout draws the global batch's mask, the mask one process draws, and the
+        rank keeps its share's rows, so a DDP run trains as one process does on the same global batches."""
+        if x.shape[0] == rows:
+            return self.encoder(x)
+        start, stop = share_bounds(x.shape[0], self.trainer.global_rank, self.trainer.world_size)
+        if stop - start != rows:
+            raise ValueError(f"a batch of {x.shape[0]} inputs and {rows} label rows is no rank's share of a global "
+                             f"batch: rank {self.trainer.global_rank} of {self.trainer.world_size} trains on rows "
+                             f"{start}..{stop - 1}")
+        return self.encoder[1:](self.encoder[0](x)[start:stop])
 
     def _stop_if_non_finite(self, bad: tuple[float, int] | None) -> None:
         if bad is not None:

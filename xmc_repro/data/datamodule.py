@@ -4,6 +4,9 @@ A batch is gathered in one step from a whole list of row indices (a batch sample
 ``__getitem__`` + collate), so a 490k-point epoch is not dominated by Python overhead. Labels stay
 CSR; the dense target exists only on the device, inside the loss.
 
+Under DDP a rank's training batch holds the inputs of the whole global batch and the labels of its share
+(``RankShare``): the model draws dropout over the global batch, as one process would, and keeps its share's rows.
+
 The training loader is resumable: its ``state_dict`` (saved by Lightning into checkpoints) holds the
 epoch and the batches already consumed, and each epoch's order is a permutation seeded by
 ``(seed, epoch)`` alone, so a run resumed mid-epoch sees exactly the batches an uninterrupted run sees.
@@ -12,6 +15,7 @@ epoch and the batches already consumed, and each epoch's order is a permutation 
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import lightning.pytorch as pl
 import numpy as np
@@ -37,6 +41,21 @@ class LabelCounts(np.ndarray):
         self.num_points = getattr(obj, "num_points", None)
 
 
+def share_bounds(size: int, rank: int, world_size: int) -> tuple[int, int]:
+    """Rows [start, stop) of a global batch of `size` that `rank` trains on: ``np.array_split``'s parts."""
+    base, extra = divmod(size, world_size)
+    start = rank * base + min(rank, extra)
+    return start, start + base + (rank < extra)
+
+
+class RankShare(NamedTuple):
+    """A DDP rank's training batch: the global batch's positions, of which rows [start, stop) are its share."""
+
+    positions: np.ndarray
+    start: int
+    stop: int
+
+
 class BatchDataset(Dataset):
     """Indexed by a whole batch of positions; returns the batch tuple."""
 
@@ -48,10 +67,12 @@ class BatchDataset(Dataset):
         return self.split.num_points if self.rows is None else len(self.rows)
 
     def __getitem__(self, positions) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        rows = np.asarray(positions, np.int64)
+        """The batch at `positions`; for a `RankShare`, every position's inputs and the share's labels."""
+        share = slice(positions.start, positions.stop) if isinstance(positions, RankShare) else slice(None)
+        rows = np.asarray(positions.positions if isinstance(positions, RankShare) else positions, np.int64)
         if self.rows is not None:
             rows = self.rows[rows]
-        labels = self.split.labels.take(rows)
+        labels = self.split.labels.take(rows[share])
         x = dense_rows(self.split.features, rows)
         return torch.from_numpy(x), torch.from_numpy(labels.ptr), torch.from_numpy(labels.idx)
 
@@ -96,8 +117,8 @@ class EpochBatchSampler:
         self.n, self.batch_size, self.shuffle, self.seed = n, batch_size, shuffle, seed
         self.shuffle_buffer = shuffle_buffer
         self.fixed_order = order
-        # Under DDP every rank walks the same global batches and keeps its 1/world_size share of each, so
-        # `batch_size` stays the global batch and a step sees the same points as a single-process step.
+        # Under DDP every rank walks the same global batches and trains on its 1/world_size share of each
+        # (`RankShare`), so `batch_size` stays the global batch and a step sees the same points as one process's.
         self.rank, self.world_size = rank, world_size
         self.epoch, self.start = 0, 0
 
@@ -122,7 +143,7 @@ class EpochBatchSampler:
             if self.world_size > 1:
                 if len(batch) < self.world_size:  # a last batch too small to give every rank a point: skipped by all
                     continue
-                batch = np.array_split(batch, self.world_size)[self.rank]
+                batch = RankShare(batch, *share_bounds(len(batch), self.rank, self.world_size))
             yield batch
         self.epoch, self.start = self.epoch + 1, 0
 
