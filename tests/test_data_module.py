@@ -79,27 +79,31 @@ def test_batches_match_the_data(tmp_path):
     np.testing.assert_allclose(xb, np.divide(x[:8], norms, out=np.zeros_like(x[:8]), where=norms > 0), rtol=1e-6)
 
 
-def test_ddp_ranks_get_the_global_batch_inputs_and_their_share_of_labels():
-    """Each of 3 ranks gets every global batch's inputs (the model draws dropout over them) and the labels of its
-    np.array_split part; the parts cover every point once, the last batch (300 = 9 x 32 + 12) included."""
+@pytest.mark.parametrize("world", [3, 16])
+def test_ddp_ranks_get_the_global_batch_inputs_and_their_share_of_labels(world):
+    """Each rank gets every global batch's inputs (the model draws dropout over them), the labels of its
+    np.array_split part and the part's start; the parts cover every point once, the last batch (300 = 9 x 32 + 12)
+    included, also where it has fewer points than ranks (16: the last four ranks' parts are empty)."""
     dm = setup_dm(TINY, batch_size=32, seed=5)
     x, labels = dm.train_split.features, dm.train_split.labels
     order = np.random.default_rng([5, 0]).permutation(300)
     ranks = []
-    for rank in range(3):
-        dm.trainer = SimpleNamespace(global_rank=rank, world_size=3)
-        ranks.append(list(dm.train_dataloader()))
+    for rank in range(world):
+        dm.trainer = SimpleNamespace(global_rank=rank, world_size=world)
+        loader = dm.train_dataloader()
+        ranks.append(list(loader))
+        assert len(ranks[-1]) == len(loader) == 10  # what Lightning counts on to validate after the last
     labelled = []
     for b, shares in enumerate(zip(*ranks)):
         positions = order[32 * b : 32 * (b + 1)]
-        parts = np.array_split(positions, 3)
-        for rank, (xb, ptr, idx) in enumerate(shares):
+        parts = np.array_split(positions, world)
+        for rank, (xb, ptr, idx, start) in enumerate(shares):
             np.testing.assert_array_equal(xb.numpy(), x[positions])
             expected = labels.take(parts[rank])
             np.testing.assert_array_equal(ptr.numpy(), expected.ptr)
             np.testing.assert_array_equal(idx.numpy(), expected.idx)
-            start = sum(map(len, parts[:rank]))
-            assert share_bounds(len(positions), rank, 3) == (start, start + len(parts[rank]))
+            assert start == sum(map(len, parts[:rank]))
+            assert share_bounds(len(positions), rank, world) == (start, start + len(parts[rank]))
             labelled.extend(parts[rank])
     assert sorted(labelled) == list(range(300))
 

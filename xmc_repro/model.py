@@ -13,7 +13,6 @@ from torch import nn
 
 from lightning.pytorch.utilities import rank_zero_warn
 
-from xmc_repro.data.datamodule import share_bounds
 from xmc_repro.errors import ConfigError
 from xmc_repro.losses import TrainingLossLog
 from xmc_repro.metrics import XMCMetrics
@@ -158,7 +157,8 @@ class XMCClassifier(pl.LightningModule):
         return decode(out) if decode is not None else out
 
     def training_step(self, batch, batch_idx):
-        x, label_ptr, label_idx = batch
+        x, label_ptr, label_idx, *share = batch  # a DDP rank's share: the first row of its part of x (XMCDataModule)
+        rows = len(label_ptr) - 1
         graph = self._graph()
         loss = None
         if graph is not None and label_idx.numel() > 0:
@@ -168,30 +168,24 @@ class XMCClassifier(pl.LightningModule):
             except CaptureError as error:  # train on, eagerly: slower, same result
                 self._step_graph, self._graph_off = None, str(error)
                 rank_zero_warn(f"the training step runs eagerly: its CUDA graph capture failed ({error})")
-        rows = len(label_ptr) - 1
         if loss is None:
-            scores = self.head(self._encode_share(x, rows))
+            scores = self.head(self._encode_share(x, share[0], rows) if share else self.encoder(x))
             targets = getattr(self.head, "meta_labels", None)
             if targets is not None:  # a head trained on other targets than the labels (MACH: hashed labels)
                 label_ptr, label_idx = targets(label_ptr, label_idx)
-            loss = self.loss_fn(scores, label_ptr, label_idx)
+            # An empty share (a global batch smaller than the number of ranks) still runs backward, as DDP needs.
+            loss = self.loss_fn(scores, label_ptr, label_idx) if rows else scores.sum() * 0.0
         last = self._trainer is not None and self.trainer.is_last_batch
         self._stop_if_non_finite(self._losses.add(loss, self.global_step, rows, flush=last))
         self._log_step_loss(loss, rows)
+        if share:  # DDP averages the ranks' gradients: weighed by its share's size, every point counts once
+            return loss * (rows * self.trainer.world_size / x.shape[0])
         return loss
 
-    def _encode_share(self, x: torch.Tensor, rows: int) -> torch.Tensor:
-        """The encoder's output for the batch's `rows` labelled points. A DDP rank's batch holds the inputs of the
-        whole global batch (`RankShare`): dropout draws the global batch's mask, the mask one process draws, and the
-        rank keeps its share's rows, so a DDP run trains as one process does on the same global batches."""
-        if x.shape[0] == rows:
-            return self.encoder(x)
-        start, stop = share_bounds(x.shape[0], self.trainer.global_rank, self.trainer.world_size)
-        if stop - start != rows:
-            raise ValueError(f"a batch of {x.shape[0]} inputs and {rows} label rows is no rank's share of a global "
-                             f"batch: rank {self.trainer.global_rank} of {self.trainer.world_size} trains on rows "
-                             f"{start}..{stop - 1}")
-        return self.encoder[1:](self.encoder[0](x)[start:stop])
+    def _encode_share(self, x: torch.Tensor, start: int, rows: int) -> torch.Tensor:
+        """The encoder's output for rows [start, start + rows) of the global batch's inputs `x`: dropout draws the
+        global batch's mask, the mask one process draws, so a DDP run trains as one process does."""
+        return self.encoder[1:](self.encoder[0](x)[start : start + rows])
 
     def _stop_if_non_finite(self, bad: tuple[float, int] | None) -> None:
         if bad is not None:

@@ -4,8 +4,9 @@ A batch is gathered in one step from a whole list of row indices (a batch sample
 ``__getitem__`` + collate), so a 490k-point epoch is not dominated by Python overhead. Labels stay
 CSR; the dense target exists only on the device, inside the loss.
 
-Under DDP a rank's training batch holds the inputs of the whole global batch and the labels of its share
-(``RankShare``): the model draws dropout over the global batch, as one process would, and keeps its share's rows.
+Under DDP a rank's training batch holds the inputs of the whole global batch, the labels of its share and the
+share's first row, ``(x (G, D), label_ptr, label_idx, start)`` (``RankShare``): the model draws dropout over the
+global batch, as one process would, keeps its share's rows and weighs its loss by the share's size.
 
 The training loader is resumable: its ``state_dict`` (saved by Lightning into checkpoints) holds the
 epoch and the batches already consumed, and each epoch's order is a permutation seeded by
@@ -49,7 +50,8 @@ def share_bounds(size: int, rank: int, world_size: int) -> tuple[int, int]:
 
 
 class RankShare(NamedTuple):
-    """A DDP rank's training batch: the global batch's positions, of which rows [start, stop) are its share."""
+    """A DDP rank's training batch: the global batch's positions, of which rows [start, stop) are its share (empty
+    for the later ranks of a global batch smaller than the number of ranks)."""
 
     positions: np.ndarray
     start: int
@@ -66,15 +68,16 @@ class BatchDataset(Dataset):
     def __len__(self) -> int:
         return self.split.num_points if self.rows is None else len(self.rows)
 
-    def __getitem__(self, positions) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The batch at `positions`; for a `RankShare`, every position's inputs and the share's labels."""
+    def __getitem__(self, positions) -> tuple:
+        """The batch at `positions`; for a `RankShare`, every position's inputs, the share's labels and its start."""
         share = slice(positions.start, positions.stop) if isinstance(positions, RankShare) else slice(None)
         rows = np.asarray(positions.positions if isinstance(positions, RankShare) else positions, np.int64)
         if self.rows is not None:
             rows = self.rows[rows]
         labels = self.split.labels.take(rows[share])
         x = dense_rows(self.split.features, rows)
-        return torch.from_numpy(x), torch.from_numpy(labels.ptr), torch.from_numpy(labels.idx)
+        batch = torch.from_numpy(x), torch.from_numpy(labels.ptr), torch.from_numpy(labels.idx)
+        return (*batch, positions.start) if isinstance(positions, RankShare) else batch
 
 
 def _keep(batch):
@@ -141,8 +144,6 @@ class EpochBatchSampler:
         for b in range(self.start, len(self)):
             batch = order[b * bs : (b + 1) * bs]
             if self.world_size > 1:
-                if len(batch) < self.world_size:  # a last batch too small to give every rank a point: skipped by all
-                    continue
                 batch = RankShare(batch, *share_bounds(len(batch), self.rank, self.world_size))
             yield batch
         self.epoch, self.start = self.epoch + 1, 0
