@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -75,6 +78,34 @@ def test_labels_outside_the_scores_are_refused(name, label):
     ptr, idx = torch.tensor([0, 1, 2, 3]), torch.tensor([2, label, 5])
     with pytest.raises(ValueError, match=rf"labels must lie in \[0, 6\) .*found values in \[{min(label, 2)}, {max(label, 5)}\]"):
         build_loss(name)(scores, ptr, idx)
+
+
+@pytest.mark.parametrize("name", ["squared_hinge", "bce"])
+def test_a_compiled_loss_asserts_the_labels_range(name):
+    """Traced, the check cannot read the labels: the compiled graph asserts their range when it runs."""
+    torch._dynamo.reset()
+    loss = build_loss(name)
+    compiled = torch.compile(loss, fullgraph=True, backend="eager")
+    scores, ptr = torch.randn(3, 6), torch.tensor([0, 1, 2, 3])
+    torch.testing.assert_close(compiled(scores, ptr, torch.tensor([2, 4, 5])), loss(scores, ptr, torch.tensor([2, 4, 5])))
+    with pytest.raises(RuntimeError, match=r"labels must lie in \[0, labels\)"):
+        compiled(scores, ptr, torch.tensor([2, 6, 5]))  # would mark label 0 of the third row
+
+
+def test_scores_of_another_rank_are_named():
+    with pytest.raises(ValueError, match=r"scores must be 2-D \(batch, labels\), got shape \(6,\)"):
+        squared_hinge_loss(torch.zeros(6), torch.tensor([0, 1]), torch.tensor([2]))
+
+
+def test_the_loss_compiles_as_the_first_use_of_the_ops():
+    """Before anything has registered the ops (here: a dense head), the loss registers them inside the trace."""
+    code = ("import torch; from xmc_repro.losses import squared_hinge_loss; head = torch.nn.Linear(8, 5); "
+            "f = torch.compile(lambda x, p, i: squared_hinge_loss(head(x), p, i), fullgraph=True, backend='eager'); "
+            "x, p, i = torch.randn(3, 8), torch.tensor([0, 1, 2, 3]), torch.tensor([4, 1, 2]); "
+            "print(float(f(x, p, i) - squared_hinge_loss(head(x), p, i)))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert float(done.stdout) == 0.0
 
 
 @pytest.mark.parametrize("name", ["squared_hinge", "bce"])

@@ -336,6 +336,20 @@ def test_bad_inputs_raise_clear_errors():
         assert "device" in _bad(x, idx, w.to("meta"))
 
 
+def test_a_device_without_kernels_is_named(monkeypatch):
+    """On mps or xpu the dispatcher would fail without a fix to offer; the check's list stands in for one here."""
+    from xmc_repro.losses import squared_hinge_loss
+    from xmc_repro.sparse import checks
+
+    monkeypatch.setattr(checks, "DEVICE_TYPES", ("cuda", "meta"))
+    layer = UniformSparseLinear(6, 5, 3)
+    with pytest.raises(SparseInputError, match=r"x is on cpu, but the sparse ops run on CPU and CUDA devices only"):
+        layer(torch.randn(2, 6))
+    with pytest.raises(SparseInputError, match=r"scores is on cpu, .*\(\.cpu\(\) or \.cuda\(\)\)"):
+        squared_hinge_loss(torch.randn(2, 5), torch.tensor([0, 1, 2]), torch.tensor([1, 3]))
+    assert backend("mps") == "unsupported"
+
+
 def test_a_numpy_array_or_a_list_is_named_not_an_attribute_error():
     x, idx, w, b = _problem(3, 20, 9, 4, "cpu")
     for args, named in [((x.numpy(), idx, w, b), "x is a ndarray"), ((x, idx, w, b.tolist()), "bias is a list"),

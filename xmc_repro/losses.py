@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
 from xmc_repro.data.labels import flat_keys
+from xmc_repro.sparse.checks import check_device
 
 _CHUNK = 1 << 22  # elements per slice when summing the all-negative part (caps the temporary)
 
@@ -26,10 +27,16 @@ _CHUNK = 1 << 22  # elements per slice when summing the all-negative part (caps 
 def check_labels(label_ptr: torch.Tensor, label_idx: torch.Tensor, scores_shape) -> None:
     """The CSR lists must describe the scores' rows, and every label lie in [0, labels): one outside would mark an
     entry of a neighbouring row. Checked where the lists are on the host; on a GPU the check would make the step
-    wait for the device (the pipeline's readers check their files)."""
-    if label_idx.device.type != "cpu" or label_ptr.device.type != "cpu" or torch.compiler.is_compiling():
-        return
+    wait for the device (the pipeline's readers check their files). A compiled graph asserts the labels' range."""
+    if len(scores_shape) != 2:
+        raise ValueError(f"scores must be 2-D (batch, labels), got shape {tuple(scores_shape)}")
     rows, num_labels = scores_shape
+    if torch.compiler.is_compiling():  # a traced check cannot read values: the graph checks them when it runs
+        torch._assert_async(((label_idx >= 0) & (label_idx < num_labels)).all(),
+                            "labels must lie in [0, labels) (the scores' columns)")
+        return
+    if label_idx.device.type != "cpu" or label_ptr.device.type != "cpu":
+        return
     if label_ptr.dim() != 1 or len(label_ptr) != rows + 1 or label_ptr[0] != 0 or label_ptr[-1] != len(label_idx):
         raise ValueError(f"label_ptr must hold {rows + 1} offsets (one per row of the scores, and one past the end) "
                          f"from 0 to len(label_idx)={len(label_idx)}; got {len(label_ptr)} from "
@@ -91,9 +98,9 @@ class _SquaredHinge(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, scores, positives, root):
-        from xmc_repro.sparse.op import ensure_registered
+        from xmc_repro.sparse.op import registered_backend
 
-        ensure_registered()
+        registered_backend(scores.device.type)  # defines the ops on first use, also inside torch.compile
         # bf16/fp16 scores (a dense head under autocast) are computed in float32.
         work = scores if scores.dtype in (torch.float32, torch.float64) else scores.float()
         loss, grad = torch.ops.xmc_sparse.squared_hinge(work, positives)
@@ -141,6 +148,7 @@ def squared_hinge_from_positions(scores: torch.Tensor, positives: torch.Tensor, 
     ``root=True`` promises that backward starts at this loss (``loss.backward()``, nothing scaled after it), as in
     the graph step: the gradient is then used as computed, without a pass over the (B, L) gradient that multiplies
     it by the incoming 1 (0.07 ms a step at Amazon-670K's size). Anything else would get an unscaled gradient."""
+    check_device(scores, "scores")
     # The flat positions index a row-major layout (a transposed sparse product is not one).
     return _SquaredHinge.apply(scores.contiguous(), positives.to(scores.device, torch.long), root)
 

@@ -62,6 +62,7 @@ def check_op_inputs(x: torch.Tensor, indices: torch.Tensor, weight: torch.Tensor
         if bias.dtype != weight.dtype:
             raise SparseInputError(f"bias dtype {bias.dtype} must equal the weight dtype {weight.dtype}")
         tensors.append(("bias", bias))
+    check_device(x, "x")
     for name, t in tensors[1:]:
         if t.device != x.device:
             raise SparseInputError(f"{name} is on {t.device} but x is on {x.device}; move both to one device")
@@ -70,6 +71,17 @@ def check_op_inputs(x: torch.Tensor, indices: torch.Tensor, weight: torch.Tensor
             raise SparseInputError(f"{name} must be contiguous; call {name}.contiguous()")
     if check_indices:
         check_index_range(indices, x.shape[1])
+
+
+# Where the ops have kernels (meta: shapes only, from the fake kernels).
+DEVICE_TYPES = ("cpu", "cuda", "meta")
+
+
+def check_device(tensor: torch.Tensor, name: str) -> None:
+    """The ops run on CPU and CUDA tensors only; elsewhere (mps, xpu) the dispatcher's error names no fix."""
+    if tensor.device.type not in DEVICE_TYPES:
+        raise SparseInputError(f"{name} is on {tensor.device}, but the sparse ops run on CPU and CUDA devices only; "
+                               "move the model and its inputs to one of them (.cpu() or .cuda())")
 
 
 def check_layer_input(x: torch.Tensor, in_features: int) -> None:

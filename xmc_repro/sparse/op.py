@@ -258,18 +258,18 @@ def ensure_registered() -> dict[str, str]:
 def backend(device: str | torch.device | None = None) -> str:
     """Which implementation runs on ``device`` (default: cuda if available, else cpu):
     ``"compiled-cuda"`` (``"compiled-cuda-rows"`` with ``XMC_SPARSE_KERNELS=rows``, ``"compiled-cuda-rows:forward"``
-    with ``rows:forward``), ``"compiled-cpu"`` or ``"reference"``."""
+    with ``rows:forward``), ``"compiled-cpu"`` or ``"reference"``; ``"unsupported"`` on other device types."""
     if device is None:
         device = "cuda" if torch.cuda.is_available() else "cpu"
-    return ensure_registered().get(torch.device(device).type, "reference")
+    return ensure_registered().get(torch.device(device).type, "unsupported")
 
 
 @torch.compiler.assume_constant_result
-def _backend_of(device_type: str) -> str:
+def registered_backend(device_type: str) -> str:
     """``backend`` for the op's wrapper: registers the ops on first use, also when that first use is being traced
     by torch.compile / torch.export (Dynamo cannot enter ``_lock``; it calls this function eagerly instead and
     takes its result as a constant, which it is for the life of the process)."""
-    return ensure_registered().get(device_type, "reference")
+    return ensure_registered().get(device_type, "unsupported")
 
 
 def uniform_sparse_linear(x: torch.Tensor, indices: torch.Tensor, weight: torch.Tensor,
@@ -290,9 +290,9 @@ def uniform_sparse_linear(x: torch.Tensor, indices: torch.Tensor, weight: torch.
     if x.dtype != weight.dtype and x.is_floating_point() and torch.is_autocast_enabled(x.device.type):
         # Compiled CUDA kernels gather bf16 inputs as they are (half the bytes, float32 sums); elsewhere they
         # are cast, differentiably: x's gradient comes back in its own dtype.
-        gathers_bf16 = _backend_of(x.device.type).startswith("compiled-cuda")
+        gathers_bf16 = registered_backend(x.device.type).startswith("compiled-cuda")
         if not (x.dtype == torch.bfloat16 and weight.dtype == torch.float32 and gathers_bf16):
             x = x.to(weight.dtype)
     check_op_inputs(x, indices, weight, bias, check_indices)
-    _backend_of(x.device.type)  # defines the ops on first use
+    registered_backend(x.device.type)  # defines the ops on first use
     return torch.ops.xmc_sparse.forward(x.contiguous(), indices, weight, bias)
