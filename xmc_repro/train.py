@@ -403,7 +403,7 @@ def _fit_and_test(cfg, tracker, checkpoint_dir: Path, resume_from: Path | None, 
         if sigterm_noted(trainer):  # the ranks stopped together at the end of training, or it came after that
             raise SIGTERMException()
         return {}
-    ran_on = device_name(device)  # before fit: DDP on the CPU changes torch's thread count
+    ran_on = device_name(device)
     tracker.set_tags(
         {
             "sparse_backend": backend(device) if cfg.model.head in ("uniform", "mach") else "none",
@@ -414,6 +414,9 @@ def _fit_and_test(cfg, tracker, checkpoint_dir: Path, resume_from: Path | None, 
     trainer.fit(model, datamodule=dm, ckpt_path=resume_from)
     if sigterm_noted(trainer):  # flagged after the loops' last look (e.g. in on_train_end): fit returned normally
         raise SIGTERMException()
+    if device_name(device) != ran_on:  # DDP on the CPU: Lightning gave each rank its share of the threads
+        ran_on = device_name(device)
+        tracker.set_tags({"device": ran_on})
 
     best = callbacks["best"].best_model_path
     if best and restores_best(t.get("restore_best", BEFORE_THE_SETTING["restore_best"]), callbacks.get("early_stop")):
