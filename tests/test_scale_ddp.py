@@ -15,6 +15,7 @@ from xmc_repro.callbacks import Rewiring
 from xmc_repro.data.datamodule import share_bounds
 from xmc_repro.distributed import (
     RankDivergenceError,
+    another_rank_stopped,
     assert_identical_across_ranks,
     fingerprint,
     launch_problem,
@@ -153,6 +154,16 @@ def test_ddp_rewiring_divergence_stops_every_rank(tmp_path):
     with pytest.raises(Exception, match=r"after rewiring 1 \(step 1\) the ranks disagree.*head.indices"):
         train(model, tiny_data(2), 2, tmp_path, RankSeededRewiring(0.25, every_n_steps=REWIRE_EVERY))
     assert not list(tmp_path.glob("rank*.pt"))  # no rank trained on
+
+
+@pytest.mark.parametrize("error, stopped", [
+    (RuntimeError("[../gloo/transport/tcp/pair.cc:534] Connection closed by peer [127.0.0.1]:1234"), True),
+    (torch.distributed.DistNetworkError("Broken pipe"), True),  # rank 0's rendezvous store gone while rank 1 starts
+    (RuntimeError("CUDA error: an illegal memory access was encountered"), False),
+    (OSError("Connection reset by peer"), False),
+])  # fmt: skip
+def test_another_rank_stopping_is_told_from_a_failure_of_this_rank(error, stopped):
+    assert another_rank_stopped(error) is stopped
 
 
 def test_fingerprint_sees_every_bit():

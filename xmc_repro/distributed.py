@@ -28,8 +28,10 @@ _PEER_GONE = ("Connection closed by peer", "Connection reset by peer", "remote p
 
 
 def another_rank_stopped(error: BaseException) -> bool:
-    """Whether `error` is a collective failing because another DDP rank stopped: that rank's line says why."""
-    return isinstance(error, RuntimeError) and any(text in str(error) for text in _PEER_GONE)
+    """Whether `error` is a collective failing because another DDP rank stopped, or the rendezvous store (rank 0's)
+    going away while a rank starts: that rank's line says why."""
+    gone = isinstance(error, RuntimeError) and any(text in str(error) for text in _PEER_GONE)
+    return gone or isinstance(error, torch.distributed.DistNetworkError)
 
 
 class RankDivergenceError(RuntimeError):
