@@ -63,16 +63,20 @@ def _corrupt(state: dict, how: str) -> None:
         weights["head.weight"][2, 2] = float("nan")
     elif how == "missing_tensor":
         del weights["head.bias"]
+    elif how == "other_sizes":  # same tensor shapes, another layer: 25 inputs
+        weights["head._extra_state"][0] = 25
     elif how == "nan_adam_moment":
         next(iter(state["optimizer_states"][0]["state"].values()))["exp_avg"].view(-1)[0] = float("inf")
 
 
 CORRUPTIONS = ["index_out_of_range", "negative_index", "wrong_shape", "wrong_dtype", "nan_weight",
-               "missing_tensor", "nan_adam_moment"]
+               "missing_tensor", "other_sizes", "nan_adam_moment"]
 MESSAGES = {"index_out_of_range": "head.indices holds values in [0, 24], outside [0, 24)",
             "negative_index": "head.indices holds values in [-1,", "wrong_shape": "head.weight is (8, 39)",
             "wrong_dtype": "head.indices is (8, 40) torch.int64, the model needs (8, 40) torch.int32",
             "nan_weight": "head.weight holds NaN or Inf", "missing_tensor": "missing head.bias",
+            "other_sizes": "foreign checkpoint: head._extra_state holds the sizes [25, 40, 8], the model's are "
+                           "[24, 40, 8]",
             "nan_adam_moment": "optimizer exp_avg of parameter"}
 
 
@@ -94,7 +98,20 @@ def test_corrupted_checkpoint_is_refused_before_the_kernels(finished, tmp_path, 
     with pytest.raises(ConfigError) as info:
         io.load_checkpoint(path)
     message = str(info.value)
-    assert message.startswith(f"{path}: corrupted") and MESSAGES[how] in message and "\n" not in message, message
+    assert message.startswith(f"{path}: ") and MESSAGES[how] in message and "\n" not in message, message
+
+
+def test_a_checkpoint_from_before_the_layers_saved_their_sizes_loads(finished, tmp_path):
+    directory, run_id = finished
+    state = torch.load(directory / "checkpoints" / run_id / "last.ckpt", weights_only=True)
+    model = _model(state)
+    sizes = state["state_dict"].pop("head._extra_state")
+    assert sizes.tolist() == [24, 40, 8]
+    path = tmp_path / "old.ckpt"
+    torch.save(state, path)
+    loaded = checkpoints.SafeCheckpointIO(model).load_checkpoint(path)
+    model.load_state_dict(loaded["state_dict"])  # strict
+    assert torch.equal(model.head.indices, state["state_dict"]["head.indices"])
 
 
 def test_corrupted_checkpoint_through_the_command_line(finished, tmp_path):

@@ -116,19 +116,39 @@ def test_uniform_layer_state_dict_roundtrip():
 
 
 @pytest.mark.parametrize("layer_type", [UniformSparseLinear, UnstructuredSparseLinear])
-def test_a_state_dict_of_a_layer_with_more_inputs_is_refused_at_load(layer_type):
-    """Same parameter shapes, more inputs: the sources do not fit this layer (the CUDA kernels would read past x,
-    the CSR structure would move weights to other labels), so loading fails and names in_features."""
+@pytest.mark.parametrize("sizes", [(11, 7, 3), (20, 7, 3), (13, 14, 3), (13, 21, 1)])
+def test_a_state_dict_of_a_layer_of_other_sizes_is_refused_at_load(layer_type, sizes):
+    """Fewer or more inputs give the same tensor shapes, and so (unstructured) do as many connections over other
+    labels: the saved sizes refuse them by name, and nothing of the layer is loaded."""
+    saved = layer_type(13, 7, 3, generator=_gen(0))
+    if sizes[1:] == (21, 1) and layer_type is UniformSparseLinear:
+        sizes = (13, 7, 4)  # the uniform weight's shape is (connectivity, labels): another fan-in
+    target = layer_type(*sizes, generator=_gen(1))
+    before = target.indices.clone()
+    shown = ", ".join(f"{k}={v}" for k, v in zip(("in_features", "out_features", "connectivity"), sizes))
+    with pytest.raises(RuntimeError, match=rf"saved from a {layer_type.__name__} with in_features=13, out_features=7, "
+                                           rf"connectivity=3, this one has {shown}; build the layer with the sizes"):
+        target.load_state_dict(saved.state_dict())
+    assert torch.equal(target.indices, before)
+    assert all(isinstance(value, torch.Tensor) for value in saved.state_dict().values())  # e.g. for safetensors
+
+
+@pytest.mark.parametrize("layer_type", [UniformSparseLinear, UnstructuredSparseLinear])
+def test_a_state_dict_saved_without_sizes_is_checked_by_its_indices(layer_type):
+    """State dicts from before the sizes were saved still load; indices that do not fit the layer are refused."""
     saved = layer_type(13, 7, 3, generator=_gen(0))
     saved.indices[-1, 0] = 12  # a source only the 13-input layer has (Unstructured: row 1 holds the inputs)
+    old = {key: value for key, value in saved.state_dict().items() if key != "_extra_state"}
     target = layer_type(11, 7, 3, generator=_gen(1))
     before = target.indices.clone()
     with pytest.raises(RuntimeError, match=r"in_features=11.*\[0, 11\)"):
-        target.load_state_dict(saved.state_dict())
+        target.load_state_dict(old)
     assert torch.equal(target.indices, before)
-    wider = layer_type(20, 7, 3, generator=_gen(1))  # sources in range: loads, as before
-    wider.load_state_dict(saved.state_dict())
-    assert torch.equal(wider.indices, saved.indices)
+    with pytest.raises(RuntimeError, match=r"indices are torch.float32, this .*'s are torch.int"):
+        target.load_state_dict({**old, "indices": old["indices"].float()})
+    same = layer_type(13, 7, 3, generator=_gen(1))
+    same.load_state_dict(old)  # strict: the absent sizes are no missing key
+    assert torch.equal(same.indices, saved.indices)
 
 
 @pytest.mark.parametrize("device", DEVICES)

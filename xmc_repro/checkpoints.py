@@ -168,7 +168,9 @@ def check_state(checkpoint: dict, model: torch.nn.Module, path) -> None:
     state, expected = checkpoint.get("state_dict"), model.state_dict()
     if not isinstance(state, dict):
         raise ConfigError(f"{path}: corrupted checkpoint (no state_dict); use another checkpoint of the run")
-    missing, extra = sorted(set(expected) - set(state)), sorted(set(state) - set(expected))
+    # A sparse layer's sizes (its extra state) are absent from checkpoints written before they were saved.
+    missing = sorted(key for key in set(expected) - set(state) if not key.endswith("_extra_state"))
+    extra = sorted(set(state) - set(expected))
     if missing or extra:
         raise ConfigError(
             f"{path}: corrupted or foreign checkpoint: {'missing ' + ', '.join(missing[:3]) if missing else ''}"
@@ -176,6 +178,8 @@ def check_state(checkpoint: dict, model: torch.nn.Module, path) -> None:
             "use a checkpoint of this run"
         )
     for name, want in expected.items():
+        if name not in state:
+            continue
         got = state[name]
         if not isinstance(got, torch.Tensor) or got.shape != want.shape or got.dtype != want.dtype:
             shown = f"{tuple(got.shape)} {got.dtype}" if isinstance(got, torch.Tensor) else type(got).__name__
@@ -185,6 +189,10 @@ def check_state(checkpoint: dict, model: torch.nn.Module, path) -> None:
             )
         if not all_finite(got):
             raise ConfigError(f"{path}: corrupted checkpoint: {name} holds NaN or Inf; use another checkpoint of the run")
+        if name.endswith("_extra_state") and not torch.equal(got, want):  # a sparse layer's sizes
+            raise ConfigError(f"{path}: foreign checkpoint: {name} holds the sizes {got.tolist()}, the model's "
+                              f"are {want.tolist()} (in_features, out_features, connectivity); use a checkpoint of "
+                              "this run")
     for module_name, module in model.named_modules():
         bounds = index_bounds(module)
         for row, limit in bounds or ():

@@ -57,6 +57,8 @@ def _indices_misfit(state_dict, prefix: str, layer: nn.Module, bounds) -> str | 
         return None
     if indices.shape != layer.indices.shape:
         return None  # load_state_dict reports the size mismatch itself
+    if indices.dtype != layer.indices.dtype:  # loading would convert them: floats truncated, int64 kept by assign=True
+        return f"{prefix}indices are {indices.dtype}, this {type(layer).__name__}'s are {layer.indices.dtype}"
     rows = [indices] if len(bounds) == 1 else list(indices)
     for values, (setting, size) in zip(rows, bounds):
         lo, hi = int(values.min()), int(values.max())
@@ -67,7 +69,56 @@ def _indices_misfit(state_dict, prefix: str, layer: nn.Module, bounds) -> str | 
     return None
 
 
-class UniformSparseLinear(nn.Module):
+SIZES = ("in_features", "out_features", "connectivity")
+_SIZES_KEY = "_extra_state"  # where torch's state_dict puts what get_extra_state returns
+
+
+def _sizes_misfit(saved, prefix: str, layer: nn.Module) -> str | None:
+    """Why sizes saved with a state dict do not fit this layer, or None (also for state dicts without them)."""
+    if saved is None:
+        return None
+    ours = [getattr(layer, name) for name in SIZES]
+    if isinstance(saved, torch.Tensor) and saved.shape == (len(SIZES),) and saved.tolist() == ours:
+        return None
+    name = type(layer).__name__
+    if not isinstance(saved, torch.Tensor) or saved.shape != (len(SIZES),):
+        return f"{prefix}{_SIZES_KEY} is not the sizes of a {name}: the state dict is not one of this layer"
+
+    def shown(values) -> str:
+        return ", ".join(f"{key}={value}" for key, value in zip(SIZES, values))
+
+    return (f"{prefix.rstrip('.') or 'the layer'}: the state dict was saved from a {name} with "
+            f"{shown(saved.tolist())}, this one has {shown(ours)}; build the layer with the sizes it was saved with")
+
+
+class _SavesItsSizes(nn.Module):
+    """A sparse layer whose sizes travel in its state dict (torch's extra state, as an int64 tensor, so the state
+    dict stays all tensors): one saved from a layer of other sizes is refused by name, also where every tensor's
+    shape agrees (fewer inputs; as many connections over other labels). A state dict saved before the sizes were
+    still loads, checked by its indices' range alone (``index_bounds``)."""
+
+    def index_bounds(self) -> list[tuple[str, int]]:
+        """For each row of the (2-D view of the) indices: (the size setting it indexes, its size)."""
+        raise NotImplementedError
+
+    def get_extra_state(self) -> torch.Tensor:
+        return torch.tensor([getattr(self, name) for name in SIZES])
+
+    def set_extra_state(self, state) -> None:
+        pass  # compared with this layer's before anything loads
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing, unexpected, error_msgs):
+        misfit = (_sizes_misfit(state_dict.get(prefix + _SIZES_KEY), prefix, self)
+                  or _indices_misfit(state_dict, prefix, self, self.index_bounds()))
+        if misfit:  # nothing of this layer is loaded; load_state_dict raises with the line
+            error_msgs.append(misfit)
+            return
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing, unexpected, error_msgs)
+        if prefix + _SIZES_KEY in missing:  # saved before the sizes were
+            missing.remove(prefix + _SIZES_KEY)
+
+
+class UniformSparseLinear(_SavesItsSizes):
     """Each output (label) reads exactly ``connectivity`` inputs.
 
     Parameters: ``weight`` (connectivity, out_features), ``bias`` (out_features,); buffer
@@ -92,12 +143,8 @@ class UniformSparseLinear(nn.Module):
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
         init_sparse_(self.weight, self.bias, init, connectivity, generator)
 
-    def _load_from_state_dict(self, state_dict, prefix, *args):
-        misfit = _indices_misfit(state_dict, prefix, self, [("in_features", self.in_features)])
-        if misfit:  # nothing of this layer is loaded; load_state_dict raises with the line
-            args[-1].append(misfit)  # error_msgs
-            return
-        super()._load_from_state_dict(state_dict, prefix, *args)
+    def index_bounds(self) -> list[tuple[str, int]]:
+        return [("in_features", self.in_features)]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         check_layer_input(x, self.in_features)
@@ -214,7 +261,7 @@ def csr_linear(x: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor, values: 
     return _CsrLinear.apply(x, values, structure)
 
 
-class UnstructuredSparseLinear(nn.Module):
+class UnstructuredSparseLinear(_SavesItsSizes):
     """The unstructured baseline: ``connectivity * out_features`` connections placed uniformly at
     random over the whole (out_features, in_features) matrix -- ``connectivity`` per label on average.
 
@@ -251,14 +298,12 @@ class UnstructuredSparseLinear(nn.Module):
             s = self._structure = _Structure(self.indices[0], self.indices[1], self.out_features, self.in_features)
         return s
 
-    def _load_from_state_dict(self, state_dict, prefix, *args):
-        misfit = _indices_misfit(state_dict, prefix, self, [("out_features", self.out_features),
-                                                            ("in_features", self.in_features)])
-        if misfit:  # nothing of this layer is loaded; load_state_dict raises with the line
-            args[-1].append(misfit)  # error_msgs
-            return
+    def index_bounds(self) -> list[tuple[str, int]]:
+        return [("out_features", self.out_features), ("in_features", self.in_features)]
+
+    def _load_from_state_dict(self, *args):
         self._structure = None
-        super()._load_from_state_dict(state_dict, prefix, *args)
+        super()._load_from_state_dict(*args)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         check_layer_input(x, self.in_features)
