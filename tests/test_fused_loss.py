@@ -195,9 +195,17 @@ def test_as_the_root_of_backward_the_gradient_is_used_as_computed_without_a_scal
 def test_second_backward_through_a_retained_graph_fails_instead_of_scaling_twice():
     leaf = torch.randn(3, 4, requires_grad=True)
     loss = squared_hinge_from_positions(leaf, torch.tensor([1, 5]))
-    loss.backward(retain_graph=True)
-    with pytest.raises(RuntimeError, match="inplace"):
+    (loss * 3).backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="keeps its gradient for one backward .*compute the loss again"):
         loss.backward()
+
+
+def test_a_gradient_of_the_gradient_is_refused_by_name():
+    """create_graph=True (a gradient penalty): the kernel's gradient has no graph, which autograd would otherwise
+    report as 'element 0 of tensors does not require grad'."""
+    leaf = torch.randn(3, 4, dtype=torch.float64, requires_grad=True)
+    with pytest.raises(RuntimeError, match="differentiable once .*dense_targets"):
+        torch.autograd.grad(squared_hinge_from_positions(leaf, torch.tensor([1, 5])), leaf, create_graph=True)
 
 
 def test_finite_differences_float64():

@@ -92,6 +92,18 @@ def test_a_compiled_loss_asserts_the_labels_range(name):
         compiled(scores, ptr, torch.tensor([2, 6, 5]))  # would mark label 0 of the third row
 
 
+def test_bce_has_second_derivatives():
+    """A gradient penalty through BCE (create_graph=True) against the formula's."""
+    scores, ptr, idx = random_batch(5, dtype=torch.float64)
+    y = dense_targets(ptr, idx, scores.shape[1], dtype=torch.float64)
+    assert torch.autograd.gradgradcheck(lambda s: bce_loss(s, ptr, idx), (scores,))
+    penalties = []
+    for loss in (bce_loss(scores, ptr, idx), formula("bce", scores, y)):
+        (grad,) = torch.autograd.grad(loss, scores, create_graph=True)
+        penalties.append(torch.autograd.grad(grad.square().sum(), scores)[0])
+    torch.testing.assert_close(*penalties)
+
+
 def test_scores_of_another_rank_are_named():
     with pytest.raises(ValueError, match=r"scores must be 2-D \(batch, labels\), got shape \(6,\)"):
         squared_hinge_loss(torch.zeros(6), torch.tensor([0, 1]), torch.tensor([2]))

@@ -16,7 +16,6 @@ import math
 
 import torch
 import torch.nn.functional as F
-from torch.autograd.function import once_differentiable
 
 from xmc_repro.data.labels import flat_keys
 from xmc_repro.sparse.checks import check_device
@@ -111,13 +110,18 @@ class _SquaredHinge(torch.autograd.Function):
         return loss
 
     @staticmethod
-    @once_differentiable
     def backward(ctx, grad_out):
+        if torch.is_grad_enabled():  # create_graph=True: the kernel's gradient has no graph of its own
+            raise RuntimeError("the fused squared hinge loss is differentiable once (create_graph=True asks for the "
+                               "gradient's gradient); compute that loss from dense_targets for higher derivatives")
+        if getattr(ctx, "spent", False):
+            raise RuntimeError("the fused squared hinge loss keeps its gradient for one backward (retain_graph=True "
+                               "asked for another); compute the loss again for a second backward")
         (grad,) = ctx.saved_tensors
         if ctx.root:  # the caller backpropagates the loss itself: the incoming gradient is 1
             return grad.to(ctx.dtype), None, None
-        # Scaled in place: the saved gradient has no other reader, so no second (B, L) tensor is
-        # allocated. A second backward through a retained graph fails autograd's version check.
+        # Scaled in place: the saved gradient has no other reader, so no second (B, L) tensor is allocated.
+        ctx.spent = True
         return grad.mul_(grad_out).to(ctx.dtype), None, None
 
 
@@ -134,7 +138,9 @@ class _BCE(torch.autograd.Function):
     def backward(ctx, grad_out):
         scores, positives = ctx.saved_tensors
         scale = grad_out / scores.numel()
-        grad = torch.sigmoid(scores).mul_(scale.to(scores.dtype))
+        grad = torch.sigmoid(scores)
+        # In place unless create_graph=True: sigmoid's own backward then reads its output.
+        grad = grad * scale.to(scores.dtype) if torch.is_grad_enabled() else grad.mul_(scale.to(scores.dtype))
         flat = grad.view(-1)
         flat[positives] = flat[positives] - scale.to(grad.dtype)  # gathered before written: repeats write once
         return grad, None
