@@ -1,6 +1,7 @@
 """Sparse layers: initialisation, forward/backward against dense twins, rewiring."""
 from __future__ import annotations
 
+import copy
 import math
 
 import pytest
@@ -113,6 +114,18 @@ def test_uniform_layer_state_dict_roundtrip():
     torch.testing.assert_close(a(x), b(x))
     nobias = UniformSparseLinear(30, 40, 4, bias=False)
     assert nobias.bias is None and nobias(x).shape == (2, 40)
+
+
+@pytest.mark.parametrize("layer_type", [UniformSparseLinear, UnstructuredSparseLinear])
+def test_a_seed_in_place_of_a_generator_is_named_and_a_tensor_fraction_taken(layer_type):
+    with pytest.raises(SparseInputError, match=r"generator must be a torch.Generator or None, got int \(for a seed: "
+                                               r"torch.Generator\(\).manual_seed\(0\)\)"):
+        layer_type(12, 7, 3, generator=0)
+    layer = layer_type(12, 7, 3, generator=_gen(0))
+    with pytest.raises(SparseInputError, match="generator must be a torch.Generator or None, got int"):
+        layer.rewire(0.5, 3)
+    expected = copy.deepcopy(layer).rewire(0.5, _gen(4))
+    assert torch.equal(layer.rewire(torch.tensor(0.5), _gen(4)), expected)
 
 
 @pytest.mark.parametrize("layer_type", [UniformSparseLinear, UnstructuredSparseLinear])

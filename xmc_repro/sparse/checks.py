@@ -73,6 +73,13 @@ def check_op_inputs(x: torch.Tensor, indices: torch.Tensor, weight: torch.Tensor
         check_index_range(indices, x.shape[1])
 
 
+def check_generator(generator) -> None:
+    """None or a torch.Generator: a seed given in its place would meet torch's overload error deep in sampling."""
+    if generator is not None and not isinstance(generator, torch.Generator):
+        hint = f" (for a seed: torch.Generator().manual_seed({generator}))" if isinstance(generator, int) else ""
+        raise SparseInputError(f"generator must be a torch.Generator or None, got {type(generator).__name__}{hint}")
+
+
 # Where the ops have kernels (meta: shapes only, from the fake kernels).
 DEVICE_TYPES = ("cpu", "cuda", "meta")
 

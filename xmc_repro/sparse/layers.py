@@ -9,7 +9,7 @@ from torch import nn
 
 from xmc_repro.validation import INITS
 
-from .checks import check_layer_input, check_layer_sizes
+from .checks import check_generator, check_layer_input, check_layer_sizes
 from .op import uniform_sparse_linear
 from .rewire import (distinct_positions, lowest_magnitude, random_positions, redraw_sources_,
                      redraw_with_replacement_, sample_uniform_sources)
@@ -135,6 +135,7 @@ class UniformSparseLinear(_SavesItsSizes):
                  generator: torch.Generator | None = None, init: str = "authors", distinct_sources: bool = False):
         super().__init__()
         in_features, out_features, connectivity = check_layer_sizes(in_features, out_features, connectivity)
+        check_generator(generator)
         self.in_features, self.out_features, self.connectivity = in_features, out_features, connectivity
         self.distinct_sources = distinct_sources
         indices = sample_uniform_sources(in_features, out_features, connectivity, generator, distinct_sources)
@@ -162,6 +163,7 @@ class UniformSparseLinear(_SavesItsSizes):
         into ``self.weight.view(-1)`` that were rewired, on the weight's device, so the caller can zero the
         optimizer's moments there.
         """
+        check_generator(generator)
         positions = lowest_magnitude(self.weight, fraction, exact_count)
         if positions.numel():
             redraw = torch.zeros(self.indices.shape, dtype=torch.bool, device=self.indices.device)
@@ -281,6 +283,7 @@ class UnstructuredSparseLinear(_SavesItsSizes):
                  generator: torch.Generator | None = None, init: str = "authors", distinct_sources: bool = False):
         super().__init__()
         in_features, out_features, connectivity = check_layer_sizes(in_features, out_features, connectivity)
+        check_generator(generator)
         self.in_features, self.out_features, self.connectivity = in_features, out_features, connectivity
         self.distinct_sources = distinct_sources
         nnz, total = connectivity * out_features, out_features * in_features
@@ -323,6 +326,7 @@ class UnstructuredSparseLinear(_SavesItsSizes):
         """Move the globally lowest-|weight| ``fraction`` of connections to new uniformly random (label, input)
         positions (SET), free ones if ``distinct_sources``; values are kept. Returns the rewired slots' sorted
         positions into ``self.weight.view(-1)``."""
+        check_generator(generator)
         positions = lowest_magnitude(self.weight, fraction, exact_count)
         if positions.numel():
             total = self.out_features * self.in_features

@@ -158,6 +158,7 @@ def lowest_magnitude(weight: torch.Tensor, fraction: float, exact_count: bool = 
     temporary. A top-k over all 21M weights of an Amazon-670K layer would hold |w| plus its outputs
     (~110 MB) next to the parameters, gradients and Adam moments at the moment rewiring runs.
     """
+    fraction = float(fraction)  # a 0-d tensor or numpy number too
     if not 0.0 <= fraction <= 1.0:
         raise ValueError(f"rewire fraction={fraction} must lie in [0, 1]")
     flat = weight.detach().reshape(-1)
