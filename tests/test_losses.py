@@ -87,7 +87,8 @@ def test_a_compiled_loss_asserts_the_labels_range(name):
     loss = build_loss(name)
     compiled = torch.compile(loss, fullgraph=True, backend="eager")
     scores, ptr = torch.randn(3, 6), torch.tensor([0, 1, 2, 3])
-    torch.testing.assert_close(compiled(scores, ptr, torch.tensor([2, 4, 5])), loss(scores, ptr, torch.tensor([2, 4, 5])))
+    labels = torch.tensor([2, 4, 5])
+    torch.testing.assert_close(compiled(scores, ptr, labels), loss(scores, ptr, labels))
     with pytest.raises(RuntimeError, match=r"labels must lie in \[0, labels\)"):
         compiled(scores, ptr, torch.tensor([2, 6, 5]))  # would mark label 0 of the third row
 
@@ -104,7 +105,7 @@ def test_bce_has_second_derivatives():
     torch.testing.assert_close(*penalties)
 
 
-def test_scores_of_another_rank_are_named():
+def test_scores_that_are_not_2d_are_named():
     with pytest.raises(ValueError, match=r"scores must be 2-D \(batch, labels\), got shape \(6,\)"):
         squared_hinge_loss(torch.zeros(6), torch.tensor([0, 1]), torch.tensor([2]))
 

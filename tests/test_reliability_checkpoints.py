@@ -98,7 +98,8 @@ def test_corrupted_checkpoint_is_refused_before_the_kernels(finished, tmp_path, 
     with pytest.raises(ConfigError) as info:
         io.load_checkpoint(path)
     message = str(info.value)
-    assert message.startswith(f"{path}: ") and MESSAGES[how] in message and "\n" not in message, message
+    kind = "foreign" if how == "other_sizes" else "corrupted"
+    assert message.startswith(f"{path}: {kind}") and MESSAGES[how] in message and "\n" not in message, message
 
 
 def test_a_checkpoint_from_before_the_layers_saved_their_sizes_loads(finished, tmp_path):

@@ -159,6 +159,10 @@ def test_ddp_rewiring_divergence_stops_every_rank(tmp_path):
 @pytest.mark.parametrize("error, stopped", [
     (RuntimeError("[../gloo/transport/tcp/pair.cc:534] Connection closed by peer [127.0.0.1]:1234"), True),
     (torch.distributed.DistNetworkError("Broken pipe"), True),  # rank 0's rendezvous store gone while rank 1 starts
+    (torch.distributed.DistNetworkError("The server socket has failed to listen on any local network address. "
+                                        "port: 29500, useIpv6: 0, code: -98, name: EADDRINUSE"), False),
+    (torch.distributed.DistNetworkError("The client socket has timed out after 3000ms while trying to connect to "
+                                        "(10.0.0.9, 29500)"), False),
     (RuntimeError("CUDA error: an illegal memory access was encountered"), False),
     (OSError("Connection reset by peer"), False),
 ])  # fmt: skip

@@ -44,7 +44,7 @@ def test_ddp_command_line_records_one_run(tmp_path):
     assert run.info.status == "FINISHED"
     assert run.data.tags["world_size"] == "2"
     # The threads each rank trained with: Lightning splits the cores over the ranks unless OMP_NUM_THREADS is set.
-    threads = int(os.environ.get("OMP_NUM_THREADS") or max(1, os.cpu_count() // 2))
+    threads = int(os.environ.get("OMP_NUM_THREADS") or max(1, len(os.sched_getaffinity(0)) // 2))
     assert run.data.tags["device"] == f"cpu ({platform.machine()}, {threads} threads)"
     assert run.data.params["trainer/strategy/broadcast_buffers"] == "False"
     assert run.data.metrics["epochs"] == 2 and "test/p_at_1" in run.data.metrics

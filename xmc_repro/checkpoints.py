@@ -38,6 +38,7 @@ from lightning.fabric.plugins import TorchCheckpointIO
 from lightning.pytorch.callbacks import Checkpoint
 
 from xmc_repro.errors import ConfigError, StorageError
+from xmc_repro.sparse.layers import SIZES
 
 try:
     import fcntl
@@ -151,17 +152,6 @@ def load_checked(path: str | Path, model: torch.nn.Module, setting: str = "resum
     return checkpoint
 
 
-def index_bounds(module: torch.nn.Module) -> list[tuple[int, int]] | None:
-    """Exclusive upper bound of each row of a module's `indices` buffer (one bound for all rows: one entry)."""
-    if not isinstance(getattr(module, "indices", None), torch.Tensor):
-        return None
-    if hasattr(module, "num_meta"):  # MACH decoding: buckets of all hash functions
-        return [(0, module.num_meta)]
-    if module.indices.dim() == 2 and module.indices.shape[0] == 2 and type(module).__name__.startswith("Unstructured"):
-        return [(0, module.out_features), (1, module.in_features)]  # (label, input) per connection
-    return [(0, module.in_features)]
-
-
 def check_state(checkpoint: dict, model: torch.nn.Module, path) -> None:
     """ConfigError unless the checkpoint's weights fit `model` exactly: names, shapes, dtypes, finite values,
     and every sparse index within its layer (the compiled op does not check them while it runs)."""
@@ -191,11 +181,11 @@ def check_state(checkpoint: dict, model: torch.nn.Module, path) -> None:
             raise ConfigError(f"{path}: corrupted checkpoint: {name} holds NaN or Inf; use another checkpoint of the run")
         if name.endswith("_extra_state") and not torch.equal(got, want):  # a sparse layer's sizes
             raise ConfigError(f"{path}: foreign checkpoint: {name} holds the sizes {got.tolist()}, the model's "
-                              f"are {want.tolist()} (in_features, out_features, connectivity); use a checkpoint of "
-                              "this run")
+                              f"are {want.tolist()} ({', '.join(SIZES)}); use a checkpoint of this run")
     for module_name, module in model.named_modules():
-        bounds = index_bounds(module)
-        for row, limit in bounds or ():
+        # Exclusive upper bound of each row of the module's indices (one bound: for all rows).
+        bounds = [size for _, size in module.index_bounds()] if hasattr(module, "index_bounds") else []
+        for row, limit in enumerate(bounds):
             indices = state[f"{module_name}.indices" if module_name else "indices"]
             values = indices if len(bounds) == 1 else indices[row]
             if values.numel() and (int(values.min()) < 0 or int(values.max()) >= limit):

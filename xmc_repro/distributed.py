@@ -29,9 +29,11 @@ _PEER_GONE = ("Connection closed by peer", "Connection reset by peer", "remote p
 
 def another_rank_stopped(error: BaseException) -> bool:
     """Whether `error` is a collective failing because another DDP rank stopped, or the rendezvous store (rank 0's)
-    going away while a rank starts: that rank's line says why."""
-    gone = isinstance(error, RuntimeError) and any(text in str(error) for text in _PEER_GONE)
-    return gone or isinstance(error, torch.distributed.DistNetworkError)
+    closing under a rank that is starting: that rank's line says why. Not a store this rank could not open or
+    reach (a port in use, a wrong address): that is this rank's own failure."""
+    if isinstance(error, torch.distributed.DistNetworkError):
+        return "Broken pipe" in str(error) or "Connection reset by peer" in str(error)
+    return isinstance(error, RuntimeError) and any(text in str(error) for text in _PEER_GONE)
 
 
 class RankDivergenceError(RuntimeError):

@@ -74,6 +74,10 @@ class MachHead(nn.Module):
     def num_meta(self) -> int:
         return self.num_hashes * self.num_buckets
 
+    def index_bounds(self) -> list[tuple[str, int]]:
+        """What `indices` index (as the sparse layers say it): the buckets of all hash functions."""
+        return [("num_meta", self.num_meta)]
+
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         return self.meta(h)
 

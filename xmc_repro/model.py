@@ -178,7 +178,7 @@ class XMCClassifier(pl.LightningModule):
         last = self._trainer is not None and self.trainer.is_last_batch
         self._stop_if_non_finite(self._losses.add(loss, self.global_step, rows, flush=last))
         self._log_step_loss(loss, rows)
-        if share:  # DDP averages the ranks' gradients: weighed by its share's size, every point counts once
+        if share:  # DDP averages the ranks' gradients: weighted by its share's size, every point counts once
             return loss * (rows * self.trainer.world_size / x.shape[0])
         return loss
 

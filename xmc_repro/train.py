@@ -342,6 +342,17 @@ def restores_best(restore_best: str, early_stop) -> bool:
     return restore_best == "always" or (early_stop is not None and early_stop.stopped_epoch > 0)
 
 
+class _TagsTheDevice(pl.Callback):
+    """The run's `device` tag once fit has set up its processes: DDP on the CPU gives each rank its share of the
+    threads."""
+
+    def __init__(self, tracker, device):
+        self.tracker, self.device = tracker, device
+
+    def on_fit_start(self, trainer, pl_module):
+        self.tracker.set_tags({"device": device_name(self.device)})
+
+
 def _fit_and_test(cfg, tracker, checkpoint_dir: Path, resume_from: Path | None, progress: dict) -> dict:
     """Fit, then (with a tracker: on DDP rank 0 only) test and record; other ranks return {} after fit."""
     from xmc_repro.sparse import backend, repeated_connections_pct
@@ -403,20 +414,17 @@ def _fit_and_test(cfg, tracker, checkpoint_dir: Path, resume_from: Path | None, 
         if sigterm_noted(trainer):  # the ranks stopped together at the end of training, or it came after that
             raise SIGTERMException()
         return {}
-    ran_on = device_name(device)
     tracker.set_tags(
         {
             "sparse_backend": backend(device) if cfg.model.head in ("uniform", "mach") else "none",
-            "device": ran_on,
+            "device": device_name(device),
             "world_size": trainer.world_size,
         }
     )
+    trainer.callbacks.append(_TagsTheDevice(tracker, device))
     trainer.fit(model, datamodule=dm, ckpt_path=resume_from)
     if sigterm_noted(trainer):  # flagged after the loops' last look (e.g. in on_train_end): fit returned normally
         raise SIGTERMException()
-    if device_name(device) != ran_on:  # DDP on the CPU: Lightning gave each rank its share of the threads
-        ran_on = device_name(device)
-        tracker.set_tags({"device": ran_on})
 
     best = callbacks["best"].best_model_path
     if best and restores_best(t.get("restore_best", BEFORE_THE_SETTING["restore_best"]), callbacks.get("early_stop")):
@@ -455,6 +463,6 @@ def _fit_and_test(cfg, tracker, checkpoint_dir: Path, resume_from: Path | None, 
     tracker.finish("FINISHED")
     results["run_id"] = tracker.run_id
     results["ui"] = tracker.browse_hint()
-    results["device"] = ran_on
+    results["device"] = device_name(device)  # as tagged at the start of fit
     results["tested_weights"] = tested_weights
     return results

@@ -6,7 +6,7 @@ CSR; the dense target exists only on the device, inside the loss.
 
 Under DDP a rank's training batch holds the inputs of the whole global batch, the labels of its share and the
 share's first row, ``(x (G, D), label_ptr, label_idx, start)`` (``RankShare``): the model draws dropout over the
-global batch, as one process would, keeps its share's rows and weighs its loss by the share's size.
+global batch, as one process would, keeps its share's rows and weights its loss by the share's size.
 
 The training loader is resumable: its ``state_dict`` (saved by Lightning into checkpoints) holds the
 epoch and the batches already consumed, and each epoch's order is a permutation seeded by
@@ -70,14 +70,14 @@ class BatchDataset(Dataset):
 
     def __getitem__(self, positions) -> tuple:
         """The batch at `positions`; for a `RankShare`, every position's inputs, the share's labels and its start."""
-        share = slice(positions.start, positions.stop) if isinstance(positions, RankShare) else slice(None)
-        rows = np.asarray(positions.positions if isinstance(positions, RankShare) else positions, np.int64)
+        share = positions if isinstance(positions, RankShare) else RankShare(positions, 0, len(positions))
+        rows = np.asarray(share.positions, np.int64)
         if self.rows is not None:
             rows = self.rows[rows]
-        labels = self.split.labels.take(rows[share])
+        labels = self.split.labels.take(rows[share.start : share.stop])
         x = dense_rows(self.split.features, rows)
         batch = torch.from_numpy(x), torch.from_numpy(labels.ptr), torch.from_numpy(labels.idx)
-        return (*batch, positions.start) if isinstance(positions, RankShare) else batch
+        return (*batch, share.start) if share is positions else batch
 
 
 def _keep(batch):

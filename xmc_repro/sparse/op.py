@@ -258,7 +258,8 @@ def ensure_registered() -> dict[str, str]:
 def backend(device: str | torch.device | None = None) -> str:
     """Which implementation runs on ``device`` (default: cuda if available, else cpu):
     ``"compiled-cuda"`` (``"compiled-cuda-rows"`` with ``XMC_SPARSE_KERNELS=rows``, ``"compiled-cuda-rows:forward"``
-    with ``rows:forward``), ``"compiled-cpu"`` or ``"reference"``; ``"unsupported"`` on other device types."""
+    with ``rows:forward``), ``"compiled-cpu"`` or ``"reference"``; ``"unsupported"`` on other device types (on meta
+    tensors the ops' fake kernels give the shapes)."""
     if device is None:
         device = "cuda" if torch.cuda.is_available() else "cpu"
     return ensure_registered().get(torch.device(device).type, "unsupported")
