@@ -12,6 +12,7 @@ from omegaconf import OmegaConf
 from torch.utils.data import DataLoader
 
 from xmc_repro.callbacks import Rewiring
+from xmc_repro.checkpoints import RandomStateKeptThroughSetup
 from xmc_repro.data.datamodule import share_bounds
 from xmc_repro.distributed import (
     RankDivergenceError,
@@ -90,13 +91,14 @@ class Recorder(pl.Callback):
 
 
 def train(model, data, devices: int, folder, rewiring=None, n_train=N_TRAIN):
-    torch.manual_seed(3)  # the dropout masks' stream, which forked ranks inherit
+    pl.seed_everything(3, verbose=False)  # as the pipeline does: Lightning's DDP setup reseeds every rank with it
+    torch.rand(7)  # as building the model does
     rewiring = rewiring or Rewiring(0.25, every_n_steps=REWIRE_EVERY, seed=5)
     trainer = pl.Trainer(
         accelerator="cpu", devices=devices, max_epochs=2,
         strategy="ddp_fork" if devices > 1 else "auto",  # fork: the ranks reuse this process's imports
         use_distributed_sampler=False,  # as the pipeline: the data module shards each global batch
-        callbacks=[rewiring, Recorder(folder)],
+        callbacks=[rewiring, Recorder(folder), RandomStateKeptThroughSetup()],  # as the pipeline's train.py adds
         logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
         num_sanity_val_steps=0,
     )

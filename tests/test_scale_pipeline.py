@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY = [
@@ -30,8 +31,8 @@ def test_ddp_command_line_records_one_run(tmp_path):
     from mlflow.tracking import MlflowClient
 
     uri = f"sqlite:///{tmp_path / 'm.db'}"
-    # 513 points: the last global batch has one point, for rank 0; rank 1's share of it is empty.
-    tiny = [arg.replace("num_train=512", "num_train=513") for arg in TINY]
+    # 513 points: the last global batch has one point, for rank 0; rank 1's share of it is empty. Dropout on.
+    tiny = [arg.replace("num_train=512", "num_train=513") for arg in TINY] + ["dataset.dropout=0.3"]
     done = cli(["trainer=ddp", "trainer.devices=2", f"logger.tracking_uri={uri}", f"hydra.run.dir={tmp_path}/out",
                 *tiny], tmp_path)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
@@ -52,6 +53,16 @@ def test_ddp_command_line_records_one_run(tmp_path):
     steps = client.get_metric_history(run.info.run_id, "train/loss_epoch")
     assert [m.step for m in steps] == [16, 33]
     assert (tmp_path / "checkpoints" / run.info.run_id / "best.ckpt").is_file()
+
+    # One process trains the same weights: every rank draws the dropout masks one process draws.
+    alone = cli([f"logger.tracking_uri={uri}", f"hydra.run.dir={tmp_path}/alone", *tiny], tmp_path)
+    assert alone.returncode == 0, alone.stderr[-3000:]
+    (single,) = [r for r in client.search_runs([run.info.experiment_id]) if r.info.run_id != run.info.run_id]
+    weights = [torch.load(tmp_path / "checkpoints" / r.info.run_id / "last.ckpt", weights_only=True)["state_dict"]
+               for r in (run, single)]
+    assert torch.equal(weights[0]["head.indices"], weights[1]["head.indices"])  # rewired alike
+    for key in ("head.weight", "head.bias"):
+        torch.testing.assert_close(weights[0][key], weights[1][key], rtol=1e-5, atol=1e-6, msg=key)
 
 
 @pytest.mark.slow

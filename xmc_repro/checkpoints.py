@@ -35,7 +35,7 @@ from pathlib import Path
 import numpy as np
 import torch
 from lightning.fabric.plugins import TorchCheckpointIO
-from lightning.pytorch.callbacks import Checkpoint
+from lightning.pytorch.callbacks import Callback, Checkpoint
 
 from xmc_repro.errors import ConfigError, StorageError
 from xmc_repro.sparse.layers import SIZES
@@ -79,6 +79,19 @@ def set_rng_states(states: dict) -> None:
     random.setstate((version, tuple(internal), gauss_next))
     if "cuda" in states and torch.cuda.is_available() and len(states["cuda"]) == torch.cuda.device_count():
         torch.cuda.set_rng_state_all(states["cuda"])
+
+
+class RandomStateKeptThroughSetup(Callback):
+    """Lightning's DDP setup reseeds every rank with the run's seed (`reset_seed`), which the model was built from
+    already: the ranks would draw their dropout masks from the start of the stream, one process from where building
+    the model left it. Puts back the state the ranks had when fit was called (the same on every rank)."""
+
+    def __init__(self):
+        self.states = rng_states()
+
+    def on_fit_start(self, trainer, pl_module):
+        if trainer.world_size > 1:
+            set_rng_states(self.states)
 
 
 def pickled_globals(path: Path) -> set[str]:

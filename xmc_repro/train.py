@@ -409,6 +409,7 @@ def _fit_and_test(cfg, tracker, checkpoint_dir: Path, resume_from: Path | None, 
     if (trainer.global_rank == 0) != (tracker is not None):
         raise RuntimeError(f"DDP rank {trainer.global_rank} disagrees with the launch environment (rank {launch_rank()})")
     device = trainer.strategy.root_device
+    trainer.callbacks.append(checkpoints.RandomStateKeptThroughSetup())  # a DDP run draws what one process draws
     if tracker is None:  # checkpoints (rank 0 writes them; the folder is rank 0's) and logging are rank 0's
         trainer.fit(model, datamodule=dm, ckpt_path=resume_from)
         if sigterm_noted(trainer):  # the ranks stopped together at the end of training, or it came after that
