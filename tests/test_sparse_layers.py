@@ -117,6 +117,23 @@ def test_uniform_layer_state_dict_roundtrip():
 
 
 @pytest.mark.parametrize("layer_type", [UniformSparseLinear, UnstructuredSparseLinear])
+@pytest.mark.parametrize("distinct", [False, True])
+def test_deferred_initialisation_on_the_meta_device(layer_type, distinct):
+    """Built under torch.device("meta") (accelerate's init_empty_weights, FSDP), then to_empty and reset_parameters:
+    the layer a direct construction with the same generator gives."""
+    with torch.device("meta"):
+        layer = layer_type(12, 7, 3, distinct_sources=distinct)
+    assert layer.weight.is_meta and layer.indices.is_meta
+    layer = layer.to_empty(device="cpu")
+    layer.reset_parameters(_gen(4))
+    direct = layer_type(12, 7, 3, generator=_gen(4), distinct_sources=distinct)
+    for key, value in direct.state_dict().items():
+        assert torch.equal(layer.state_dict()[key], value), key
+    x = torch.randn(5, 12)
+    torch.testing.assert_close(layer(x), direct(x))
+
+
+@pytest.mark.parametrize("layer_type", [UniformSparseLinear, UnstructuredSparseLinear])
 def test_a_seed_in_place_of_a_generator_is_named_and_a_tensor_fraction_taken(layer_type):
     with pytest.raises(SparseInputError, match=r"generator must be a torch.Generator or None, got int \(for a seed: "
                                                r"torch.Generator\(\).manual_seed\(0\)\)"):

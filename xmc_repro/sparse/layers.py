@@ -137,12 +137,20 @@ class UniformSparseLinear(_SavesItsSizes):
         in_features, out_features, connectivity = check_layer_sizes(in_features, out_features, connectivity)
         check_generator(generator)
         self.in_features, self.out_features, self.connectivity = in_features, out_features, connectivity
-        self.distinct_sources = distinct_sources
-        indices = sample_uniform_sources(in_features, out_features, connectivity, generator, distinct_sources)
-        self.register_buffer("indices", indices)
+        self.distinct_sources, self.init = distinct_sources, init
+        self.register_buffer("indices", torch.empty(connectivity, out_features, dtype=torch.int32))
         self.weight = nn.Parameter(torch.empty(connectivity, out_features))
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
-        init_sparse_(self.weight, self.bias, init, connectivity, generator)
+        if not self.weight.is_meta:  # built under torch.device("meta"): to_empty(device=...), then reset_parameters
+            self.reset_parameters(generator)
+
+    @torch.no_grad()
+    def reset_parameters(self, generator: torch.Generator | None = None) -> None:
+        """New random sources and initial weights, as at construction (what deferred initialisation calls)."""
+        check_generator(generator)
+        self.indices.copy_(sample_uniform_sources(self.in_features, self.out_features, self.connectivity, generator,
+                                                  self.distinct_sources))
+        init_sparse_(self.weight, self.bias, self.init, self.connectivity, generator)
 
     def index_bounds(self) -> list[tuple[str, int]]:
         return [("in_features", self.in_features)]
@@ -285,15 +293,24 @@ class UnstructuredSparseLinear(_SavesItsSizes):
         in_features, out_features, connectivity = check_layer_sizes(in_features, out_features, connectivity)
         check_generator(generator)
         self.in_features, self.out_features, self.connectivity = in_features, out_features, connectivity
-        self.distinct_sources = distinct_sources
-        nnz, total = connectivity * out_features, out_features * in_features
-        draw = distinct_positions if distinct_sources else random_positions
-        flat = draw(nnz, total, generator, device="cpu").sort().values
-        self.register_buffer("indices", torch.stack([flat // in_features, flat % in_features]))
+        self.distinct_sources, self.init = distinct_sources, init
+        nnz = connectivity * out_features
+        self.register_buffer("indices", torch.empty(2, nnz, dtype=torch.int64))
         self.weight = nn.Parameter(torch.empty(nnz))
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
-        init_sparse_(self.weight, self.bias, init, connectivity, generator)
         self._structure: _Structure | None = None
+        if not self.weight.is_meta:  # built under torch.device("meta"): to_empty(device=...), then reset_parameters
+            self.reset_parameters(generator)
+
+    @torch.no_grad()
+    def reset_parameters(self, generator: torch.Generator | None = None) -> None:
+        """New random positions and initial weights, as at construction (what deferred initialisation calls)."""
+        check_generator(generator)
+        draw = distinct_positions if self.distinct_sources else random_positions
+        flat = draw(self.weight.numel(), self.out_features * self.in_features, generator, device="cpu").sort().values
+        self.indices.copy_(torch.stack([flat // self.in_features, flat % self.in_features]))
+        init_sparse_(self.weight, self.bias, self.init, self.connectivity, generator)
+        self._structure = None
 
     def _get_structure(self) -> _Structure:
         s = self._structure
