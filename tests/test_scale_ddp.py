@@ -105,15 +105,16 @@ def train(model, data, devices: int, folder, rewiring=None, n_train=N_TRAIN):
     trainer.fit(model, datamodule=TinyData(data, n_train))
 
 
-@pytest.mark.parametrize("n_train", [
-    N_TRAIN,  # global batches of 16: 8 points a rank
-    N_TRAIN + 9,  # the last batch splits 5 / 4: each rank's loss counts as its share of the global batch
-    N_TRAIN + 1,  # the last batch's one point goes to rank 0, rank 1's share is empty
+@pytest.mark.parametrize("head, n_train", [
+    ("uniform", N_TRAIN),  # global batches of 16: 8 points a rank
+    ("uniform", N_TRAIN + 9),  # the last batch splits 5 / 4: each rank's loss counts as its share of the global batch
+    ("uniform", N_TRAIN + 1),  # the last batch's one point goes to rank 0, rank 1's share is empty
+    ("unstructured", N_TRAIN + 9),
 ])  # fmt: skip
-def test_ddp_two_ranks_match_one_process(tmp_path, n_train):
+def test_ddp_two_ranks_match_one_process(tmp_path, head, n_train):
     torch.manual_seed(0)
     # Dropout on: each rank draws the global batch's mask and keeps its share's rows, as one process would.
-    model = XMCClassifier(FEATURES, LABELS, head="uniform", connectivity=4, intermediate=16, dropout=0.5)
+    model = XMCClassifier(FEATURES, LABELS, head=head, connectivity=4, intermediate=16, dropout=0.5)
     initial = model.head.indices.clone()
     data = tiny_data(1)
     (tmp_path / "single").mkdir()
