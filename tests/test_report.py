@@ -262,7 +262,8 @@ def test_records_add_copies_finished_table_runs_of_a_store_once_and_round_trips(
     for name, status, table in (("ok", "FINISHED", "table1"), ("failed", "FAILED", "table1"),
                                 ("untagged", "FINISHED", None)):  # fmt: skip
         run_id = client.create_run(experiment, run_name=name).info.run_id
-        tags = {"table": table, "scale": "smoke", "device": H200, "mlflow.user": "someone"}
+        tags = {"table": table, "scale": "smoke", "device": H200, "mlflow.user": "someone",
+                "git_commit": "0123456789ab-dirty"}  # run with uncommitted changes: counted and named
         client.log_batch(run_id, metrics=[Metric("test/p_at_1", 50.5, 0, 0), Metric("peak_gpu_memory_gib", 0.01, 0, 0)],
                          params=[Param(k, v) for k, v in params_of(BIBTEX, "uniform", 32, 256).items()],
                          tags=[RunTag(k, v) for k, v in tags.items() if v])  # fmt: skip
@@ -270,17 +271,22 @@ def test_records_add_copies_finished_table_runs_of_a_store_once_and_round_trips(
         ids[name] = run_id
     directory = tmp_path / "records"
     left_out = {"FAILED": 1, "untagged": 1}
-    assert records.add_from_store(uri, directory) == {"new": 1, "updated": 0, "unchanged": 0, "skipped": left_out}
-    assert records.add_from_store(uri, directory) == {"new": 0, "updated": 0, "unchanged": 1, "skipped": left_out}
+    assert records.add_from_store(uri, directory) == {"new": 1, "updated": 0, "unchanged": 0, "skipped": left_out,
+                                                      "uncommitted": 1}
+    assert records.add_from_store(uri, directory) == {"new": 0, "updated": 0, "unchanged": 1, "skipped": left_out,
+                                                      "uncommitted": 1}
     from xmc_repro.report.__main__ import main as report_main
 
     assert report_main(["records", "add", uri, "--dir", str(directory)]) == 0
-    assert capsys.readouterr().out.strip().endswith("left out 2 runs: 1 FAILED, 1 without a `table` tag")
+    assert capsys.readouterr().out.strip().endswith(
+        "left out 2 runs: 1 FAILED, 1 without a `table` tag; 1 copied run(s) ran uncommitted code (git_commit ends "
+        "in -dirty): no commit reproduces them; rerun them from a clean checkout before citing their numbers")
     (record,) = records.load(directory)
     run = client.get_run(ids["ok"])
     assert record["run_id"] == ids["ok"] and record["run_name"] == "ok" and record["status"] == "FINISHED"
     assert record["params"] == run.data.params and record["metrics"] == run.data.metrics
-    assert record["tags"] == {"table": "table1", "scale": "smoke", "device": H200}  # MLflow's own tags left out
+    assert record["tags"] == {"table": "table1", "scale": "smoke", "device": H200,  # MLflow's own tags left out
+                              "git_commit": "0123456789ab-dirty"}
     assert record["end_time"] == records.iso_time(run.info.end_time) != ""
     text = (directory / f"{ids['ok']}.json").read_text()
     assert text == records.dump(json.loads(text)) and text.index('"metrics"') < text.index('"params"')  # sorted keys

@@ -72,14 +72,15 @@ def run(args) -> None:
         print("smoke: done; copy the runs into results/records with `python -m xmc_repro.report records add`")
     elif args.command == "records":
         from xmc_repro.errors import DataError
-        from xmc_repro.report.records import add_from_store, skipped_line, tracking_uri
+        from xmc_repro.report.records import add_from_store, skipped_line, tracking_uri, uncommitted_line
 
         if args.dir == RESULTS / "records" and not args.dir.is_dir():  # the default, outside the project's root
             raise DataError(f"{args.dir.resolve()}: no records folder here; run from the project's root or give "
                             "--dir PATH/results/records")
         counts = add_from_store(args.tracking_uri, args.dir)
         print(f"{args.dir}: {counts['new']} new, {counts['updated']} updated, {counts['unchanged']} unchanged "
-              f"records from {tracking_uri(args.tracking_uri)}{skipped_line(counts['skipped'])}")  # fmt: skip
+              f"records from {tracking_uri(args.tracking_uri)}{skipped_line(counts['skipped'])}"
+              f"{uncommitted_line(counts['uncommitted'])}")  # fmt: skip
     elif args.command == "export":
         from xmc_repro.errors import DataError
         from xmc_repro.report.export import export

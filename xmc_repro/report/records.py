@@ -138,7 +138,8 @@ def table_runs(uri: str) -> tuple[list, dict[str, int]]:
 
 def add_from_store(uri: str | None = None, directory: Path = RECORDS_DIR) -> dict:
     """Copy the FINISHED table runs of the store at `uri` into records. Returns the counts of new, updated and
-    unchanged records, and under `skipped` those of the runs left out (see `table_runs`)."""
+    unchanged records, under `skipped` those of the runs left out (see `table_runs`), and under `uncommitted` how
+    many copied runs ran code that was no commit (`git_commit` ending in "-dirty")."""
     uri = tracking_uri(uri)
     _check_store(uri)
     try:
@@ -150,7 +151,16 @@ def add_from_store(uri: str | None = None, directory: Path = RECORDS_DIR) -> dic
     counts = {"new": 0, "updated": 0, "unchanged": 0}
     for run in runs:
         counts[save(record_of_run(run), directory)] += 1
-    return {**counts, "skipped": skipped}
+    uncommitted = sum(run.data.tags.get("git_commit", "").endswith("-dirty") for run in runs)
+    return {**counts, "skipped": skipped, "uncommitted": uncommitted}
+
+
+def uncommitted_line(uncommitted: int) -> str:
+    """'; 2 copied runs ran uncommitted code ...' ('' when none did): no commit reproduces such a run."""
+    if not uncommitted:
+        return ""
+    return (f"; {uncommitted} copied run(s) ran uncommitted code (git_commit ends in -dirty): no commit reproduces "
+            "them; rerun them from a clean checkout before citing their numbers")
 
 
 def skipped_line(skipped: dict[str, int]) -> str:
