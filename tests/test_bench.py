@@ -31,6 +31,8 @@ def test_model_step_benchmark_writes_both_models(tmp_path):
             assert all(device_ms > 0 for _, device_ms in r["phases"].values()) and r["param_optimizer_gib"] > 0
         else:
             assert r["cuda_graph"] is False
+    assert json.loads(result.read_text())["settings"] == {"steps": 2, "warmup": 0,
+                                                          "precisions": ["32-true", "bf16-mixed"]}
     text = result.with_suffix(".md").read_text()
     assert "eager, bf16-mixed: uniform step" in text and "lightning, 32-true: uniform step" in text
     (profile,) = tmp_path.glob("cpu-model-scale*-profile.txt")
@@ -62,6 +64,8 @@ def test_model_step_benchmark_refuses_an_unknown_precision(capsys):
     (["--model", "--repeats", "3"], "--repeats applies to the layer benchmark only; drop it or --model"),
     (["--model", "--methods", "uniform"], "--methods applies to the layer benchmark only"),
     (["--model", "--max-cases", "1"], "--max-cases applies to the layer benchmark only"),
+    (["--methods", ""], "--methods '': give a comma list without empty items"),  # ran every method on every case
+    (["--model", "--precision", "32-true,,bf16-mixed"], "give a comma list without empty items"),
 ])
 def test_bad_arguments_are_refused_before_anything_is_written(args, message, tmp_path, capsys, monkeypatch):
     """A typo in --methods wrote result files without results over the committed ones; 0 or negative sizes failed
@@ -250,6 +254,21 @@ def test_ctrl_c_during_the_run_ends_in_one_line_and_writes_nothing(tmp_path, cap
         code = "traceback"
     assert code == 130
     assert "error: interrupted (Ctrl+C)" in capsys.readouterr().err and not list(tmp_path.iterdir())
+
+
+def test_ctrl_c_inside_lightnings_fit_ends_in_one_line(tmp_path, capsys, monkeypatch):
+    """Lightning turns a Ctrl+C inside fit into a silent exit(1), and ignores SIGINT from then on."""
+    import signal
+
+    from xmc_repro.model import XMCClassifier
+
+    def interrupted(self, batch, batch_idx):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(XMCClassifier, "training_step", interrupted)
+    code = bench.main(["--model", "--device", "cpu", "--scale", "0.0005", "--steps", "1", "--out", str(tmp_path)])
+    assert code == 130 and "error: interrupted (Ctrl+C)" in capsys.readouterr().err and not list(tmp_path.iterdir())
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
 
 
 def test_results_are_written_whole_as_a_pair(tmp_path, monkeypatch):

@@ -35,9 +35,10 @@ import warnings
 
 import torch
 
-from xmc_repro.errors import StorageError
+from xmc_repro.errors import ConfigError, StorageError
 from xmc_repro.sparse import op as sparse_op
 from xmc_repro.sparse import reference
+from xmc_repro.sparse.checks import SparseInputError
 from xmc_repro.sparse.rewire import redraw_sources
 
 PHASES = ("forward", "backward_input", "backward_weight", "fwd+bwd", "step+adam")
@@ -522,6 +523,9 @@ def main(argv: list[str] | None = None) -> int:
     except StorageError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
+    except (SparseInputError, ConfigError) as exc:  # e.g. XMC_SPARSE_KERNELS, or a model too big for this machine
+        print(f"error: {' '.join(str(exc).split())}", file=sys.stderr)
+        return 2
     except KeyboardInterrupt:
         print("error: interrupted (Ctrl+C); no results file is left half-written", file=sys.stderr)
         return 130
@@ -548,6 +552,10 @@ def _main(argv: list[str] | None = None) -> int:
     ap.add_argument("--precision", default=None,
                     help="--model: comma list of 32-true, bf16-mixed (default both on a GPU, 32-true on CPU)")
     args = ap.parse_args(argv)
+    for option, value in (("--out", args.out), ("--methods", args.methods), ("--precision", args.precision)):
+        if value is not None and not all(value.split(",")):  # '' or 'a,,b' would mean the default or fail later
+            what = "a folder" if option == "--out" else "a comma list without empty items"
+            ap.error(f"{option} {value!r}: give {what}")
     # An option of the other benchmark was silently ignored (--steps 3 without --model timed the default repeats).
     model_only = {"--scale": args.scale, "--steps": args.steps, "--profile": args.profile or None,
                   "--precision": args.precision}
@@ -581,7 +589,8 @@ def _main(argv: list[str] | None = None) -> int:
 
         scale = args.scale if args.scale is not None else (1.0 if on_gpu else 0.02)
         steps = args.steps or (50 if on_gpu else 5)
-        precisions = tuple((args.precision or ("32-true,bf16-mixed" if on_gpu else "32-true")).split(","))
+        given = args.precision or ("32-true,bf16-mixed" if on_gpu else "32-true")
+        precisions = tuple(dict.fromkeys(given.split(",")))  # a repeat would pair the ratios' rows wrongly
         unknown = set(precisions) - {"32-true", "bf16-mixed"}
         if unknown:
             ap.error(f"--precision: {', '.join(sorted(unknown))} is not one of 32-true, bf16-mixed")

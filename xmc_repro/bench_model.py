@@ -34,6 +34,7 @@ import itertools
 import json
 import logging
 import os
+import signal
 import time
 import warnings
 from dataclasses import dataclass
@@ -196,8 +197,8 @@ def measure(shape: ModelShape, device, steps: int, warmup: int, way: str = "eage
         torch.cuda.reset_peak_memory_stats(device)
     for _ in range(warmup + (1 if way == "graph" else 0)):
         step()
-    windows = _timed_windows(step, steps, device)
-    step_ms = sum(windows) / len(windows)
+    windows, sizes = _timed_windows(step, steps, device)
+    step_ms = sum(ms * n for ms, n in zip(windows, sizes)) / steps  # the mean over all timed steps
     host, dev = [[] for _ in phases], [[] for _ in phases]
     for _ in range(steps):
         clock = _Clock(device)
@@ -218,9 +219,10 @@ def measure(shape: ModelShape, device, steps: int, warmup: int, way: str = "eage
     return row
 
 
-def _timed_windows(step, steps: int, device, windows: int = 5) -> list[float]:
-    """Milliseconds per step in consecutive windows of the ``steps`` steps (one sync per window): a stall, such as
-    a garbage collection, shows as one slow window instead of raising every step's time unseen."""
+def _timed_windows(step, steps: int, device, windows: int = 5) -> tuple[list[float], list[int]]:
+    """Milliseconds per step in consecutive windows of the ``steps`` steps (one sync per window), and each window's
+    steps: a stall, such as a garbage collection, shows as one slow window instead of raising every step's time
+    unseen."""
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     sizes = [steps // windows + (i < steps % windows) for i in range(min(windows, steps))]
     out = []
@@ -231,7 +233,7 @@ def _timed_windows(step, steps: int, device, windows: int = 5) -> list[float]:
             step()
         sync()
         out.append((time.perf_counter() - start) * 1e3 / size)
-    return out
+    return out, sizes
 
 
 def _row(shape: ModelShape, model, way: str, precision: str, step_ms: float) -> dict:
@@ -304,6 +306,7 @@ def measure_lightning(shape: ModelShape, device, steps: int, warmup: int, precis
     lightning_lines = logging.getLogger("lightning.pytorch.utilities.rank_zero")
     level = lightning_lines.level
     lightning_lines.setLevel(logging.WARNING)
+    trainer = None
     try:
         trainer = pl.Trainer(accelerator=device.type, devices=1, precision=precision, max_steps=warmup + steps,
                              logger=False, enable_checkpointing=False, enable_progress_bar=False,
@@ -316,6 +319,11 @@ def measure_lightning(shape: ModelShape, device, steps: int, warmup: int, precis
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # Lightning's advice on workers and logging
             trainer.fit(model, train_dataloaders=loader)
+    except SystemExit:
+        if trainer is not None and trainer.interrupted:  # Lightning turns Ctrl+C into exit(1), and ignores SIGINT from then on
+            signal.signal(signal.SIGINT, signal.default_int_handler)
+            raise KeyboardInterrupt from None
+        raise
     finally:
         lightning_lines.setLevel(level)
     row = _row(shape, model, "lightning", precision, (clock.end - clock.start) * 1e3 / steps)
@@ -359,8 +367,9 @@ def markdown(info: dict, rows: list[dict], scale: float) -> str:
     for r in rows:
         dense = by.get(("dense", r["way"], r["precision"]))
         if r["model"] == "uniform" and dense:
-            lines.append(f"- {r['way']}, {r['precision']}: uniform step {dense / r['step_ms']:.2f}x faster than "
-                         "dense (same run, same device).")
+            ratio = dense / r["step_ms"]
+            than = f"{ratio:.2f}x faster than" if ratio >= 1 else f"{1 / ratio:.2f}x slower than"
+            lines.append(f"- {r['way']}, {r['precision']}: uniform step {than} dense (same run, same device).")
     return "\n".join(lines) + "\n"
 
 
@@ -408,6 +417,8 @@ def run(device, scale: float, steps: int, warmup: int, out: Path, profile_steps:
     print(f"model step on {info.get('card', info['host_cpu'])}, scale {scale:g}", flush=True)
     rows = []
     ways = ("eager", "graph", "lightning") if device.type == "cuda" else ("eager", "lightning")
+    if "lightning" in ways:  # a process's first fit pays a one-off cost (tens of ms a step): not the dense model's
+        measure_lightning(paper_models(1e-4)[0], device, 2, 2, precisions[0])
     for precision in precisions:
         for shape in paper_models(scale):
             for way in ways:
@@ -420,7 +431,9 @@ def run(device, scale: float, steps: int, warmup: int, out: Path, profile_steps:
     name = f"{slug(info)}-model" + ("" if scale == 1 else f"-scale{scale:g}")
     out.mkdir(parents=True, exist_ok=True)
     text = markdown(info, rows, scale)
-    write_results({out / f"{name}.json": json.dumps({"machine": info, "scale": scale, "results": rows}, indent=1) + "\n",
+    settings = {"steps": steps, "warmup": warmup, "precisions": list(precisions)}
+    write_results({out / f"{name}.json": json.dumps({"machine": info, "scale": scale, "settings": settings,
+                                                     "results": rows}, indent=1) + "\n",
                    out / f"{name}.md": text})
     print(f"wrote {out / name}.json and .md\n")
     print(text)
