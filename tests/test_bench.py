@@ -256,6 +256,14 @@ def test_ctrl_c_during_the_run_ends_in_one_line_and_writes_nothing(tmp_path, cap
     assert "error: interrupted (Ctrl+C)" in capsys.readouterr().err and not list(tmp_path.iterdir())
 
 
+def test_a_model_too_big_for_the_machine_is_refused_before_it_is_built(tmp_path, capsys):
+    """--scale 1000 raised a traceback from a 2 TB allocation; a smaller excess would meet the OOM killer."""
+    assert bench.main(["--model", "--device", "cpu", "--scale", "1000", "--out", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: --scale 1000: model=dense over 768 inputs and 670,091,000 labels") and \
+        err.strip().endswith("GiB is available; lower --scale") and not list(tmp_path.iterdir())
+
+
 def test_ctrl_c_inside_lightnings_fit_ends_in_one_line(tmp_path, capsys, monkeypatch):
     """Lightning turns a Ctrl+C inside fit into a silent exit(1), and ignores SIGINT from then on."""
     import signal

@@ -405,6 +405,8 @@ def run(device, scale: float, steps: int, warmup: int, out: Path, profile_steps:
     from omegaconf import OmegaConf
 
     from xmc_repro.bench import copy_bandwidth, machine_info, slug, write_results
+    from xmc_repro.errors import ConfigError
+    from xmc_repro.host_memory import check_fits
     from xmc_repro.resources import resource_dir
     from xmc_repro.train import limit_cublas_workspace
 
@@ -414,6 +416,12 @@ def run(device, scale: float, steps: int, warmup: int, out: Path, profile_steps:
     info["cublas_workspace_config"] = os.environ.get("CUBLAS_WORKSPACE_CONFIG", "torch's default")
     if device.type == "cpu" and hasattr(os, "getloadavg"):  # a shared CPU's timings depend on its other work
         info["load_average_1min"] = round(os.getloadavg()[0], 2)
+    for shape in paper_models(scale):  # one that cannot fit is refused in one line, not OOM-killed (host_memory)
+        try:
+            check_fits({"head": shape.head, "intermediate": shape.intermediate, "connectivity": shape.connectivity},
+                       shape.features, shape.labels, on_cpu=device.type == "cpu")
+        except ConfigError as error:  # its fixes are the pipeline's settings; here the size is --scale's
+            raise ConfigError(f"--scale {scale:g}: {str(error).rsplit('; ', 1)[0]}; lower --scale") from None
     print(f"model step on {info.get('card', info['host_cpu'])}, scale {scale:g}", flush=True)
     rows = []
     ways = ("eager", "graph", "lightning") if device.type == "cuda" else ("eager", "lightning")
