@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import statistics
+from pathlib import Path
 
 
 def quarters(values: list[float]) -> list[float]:
@@ -43,6 +44,8 @@ def cli(argv: list[str] | None = None) -> None:
     ap.add_argument("store", nargs="?", default="sqlite:///mlruns.db",
                     help="MLflow tracking URI of the runs (default sqlite:///mlruns.db)")
     args = ap.parse_args(argv)
+    if "://" not in args.store and args.store.endswith(".db"):  # a path: MLflow would take it for a file store
+        args.store = f"sqlite:///{Path(args.store).resolve()}"
     # MLflow creates a missing SQLite store (and its folder): a mistyped path printed an empty table, exit 0.
     from xmc_repro.tracking import sqlite_path
 

@@ -215,7 +215,7 @@ def test_the_step_times_script_gives_each_curves_quarters_in_order(tmp_path, cap
         client.log_metric(run.info.run_id, "train/ms_per_step", ms, step=100 * (9 - step))
     client.log_param(run.info.run_id, "trainer/precision", "32-true")
     client.create_run(client.get_experiment_by_name("steps").experiment_id)  # no curve: no row
-    _step_times_script().cli([store])
+    _step_times_script().cli([str(tmp_path / "runs.db")])  # a plain path: MLflow's file-store error before
     out = capsys.readouterr().out
     rows = [line for line in out.splitlines() if line.startswith(f"| `{run.info.run_id[:8]}`")]
     assert len(out.splitlines()) == 3 and len(rows) == 1
