@@ -397,6 +397,8 @@ def machine_info(device, bandwidth: float, l2: float | None = None) -> dict:
                     break
         except OSError:
             pass
+        if hasattr(os, "getloadavg"):  # a shared CPU's timings depend on its other work
+            info["load_average_1min"] = round(os.getloadavg()[0], 2)
     return info
 
 
@@ -415,7 +417,9 @@ def markdown(info: dict, rows: list[dict]) -> str:
              f"commit `{info.get('commit', 'unknown')}`, torch {info['torch']} (CUDA {info['cuda']}), sparse backend "
              f"`{info['sparse_backend']}`, measured copy bandwidth {info['copy_bandwidth_gb_s']:.0f} GB/s"
              + (f", L2 read bandwidth {info['l2_bandwidth_gb_s']:.0f} GB/s" if info.get("l2_bandwidth_gb_s") else "")
-             + f", {info['date']}.", "",
+             + f", {info['date']}"
+             + (f", load average {info['load_average_1min']} before the run" if "load_average_1min" in info else "")
+             + ".", "",
              "Times are medians in ms; `x floor` = time / (bytes that must move / copy bandwidth); `x L2` = time / "
              "(bytes gathered from L2 / L2 read bandwidth), for our op; "
              "`extra GiB` = peak memory allocated beyond the inputs (GPU only). "

@@ -339,7 +339,7 @@ def markdown(info: dict, rows: list[dict], scale: float) -> str:
     lines = [f"# Whole-model training step — {where}", "",
              f"commit `{info.get('commit', 'unknown')}`, torch {info['torch']} (CUDA {info['cuda']}), sparse backend "
              f"`{info['sparse_backend']}`, {info['date']}"
-             + (f", load average {info['load_average_1min']} during the run" if "load_average_1min" in info else "")
+             + (f", load average {info['load_average_1min']} before the run" if "load_average_1min" in info else "")
              + ". "
              f"Amazon-670K's shapes scaled by {scale:g}; batch 32. Times in ms; `step ms` = mean over all timed "
              "steps, `windows` = the fastest and slowest of 5 consecutive windows of them; per phase (medians) "
@@ -414,8 +414,6 @@ def run(device, scale: float, steps: int, warmup: int, out: Path, profile_steps:
     limit_cublas_workspace(OmegaConf.load(resource_dir("conf") / "trainer" / "default.yaml").cublas_workspace_mib)
     info = machine_info(device, copy_bandwidth(device))
     info["cublas_workspace_config"] = os.environ.get("CUBLAS_WORKSPACE_CONFIG", "torch's default")
-    if device.type == "cpu" and hasattr(os, "getloadavg"):  # a shared CPU's timings depend on its other work
-        info["load_average_1min"] = round(os.getloadavg()[0], 2)
     for shape in paper_models(scale):  # one that cannot fit is refused in one line, not OOM-killed (host_memory)
         try:
             check_fits({"head": shape.head, "intermediate": shape.intermediate, "connectivity": shape.connectivity},
