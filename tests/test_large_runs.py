@@ -39,6 +39,13 @@ def test_a_model_whose_training_state_exceeds_the_memory_is_refused_naming_the_n
     check_fits(_model(intermediate=8192), *AMAZON_BOW, on_cpu=False, available=22 * GIB)
     with pytest.raises(ConfigError, match=r"x 2 processes"):
         check_fits(_model("dense"), 768, 670_091, on_cpu=True, processes=2, available=22 * GIB)
+    # the head's own size settings are named
+    with pytest.raises(ConfigError, match=r"available; lower model.mach.num_buckets or model.mach.num_hashes, use a "
+                                          r"sparse head \(model=uniform\), or run on a machine with more memory$"):
+        check_fits(_model("mach", mach={"num_hashes": 8, "num_buckets": 10**8}), 768, 670_091, on_cpu=True,
+                   available=22 * GIB)
+    with pytest.raises(ConfigError, match=r"available; lower model.bottleneck, use a sparse head"):
+        check_fits(_model("bottleneck", bottleneck=3 * 10**8), 768, 670_091, on_cpu=True, available=22 * GIB)
     # a head of one's own: sizes unknown, nothing refused
     assert training_bytes(_model("lowrank"), *AMAZON_BOW, on_cpu=True) is None
 

@@ -58,6 +58,12 @@ REFUSED = {
     "fp16_true_mach": (["model=mach", "trainer.precision=16-true"], "the sparse op of model.head=mach would get float16"),
     "batch_size_0": (["trainer.batch_size=0"], "trainer.batch_size=0 must be a positive integer"),
     "intermediate_0": (["model.intermediate=0"], "model.intermediate=0 must be a positive layer size"),
+    # 16.0 built the layer but was recorded as another configuration than 16
+    "intermediate_16.0": (["model.intermediate=16.0"],
+                          "model.intermediate=16.0 must be a positive layer size (an integer)"),
+    # refused only after the data had loaded and the MLflow run had opened
+    "mach_decode_unknown": (["model=mach", "model.mach.decode=bogus"],
+                            "model.mach.decode='bogus' is unknown; choose one of probability, score"),
     # A dense model reads model.init only to compare it with "authors": a typo would train with torch's init.
     "init_unknown": (["model=dense", "model.init=keras"], "model.init='keras' is unknown; choose one of authors, fan_in"),
     "rewire_schedule_unknown": (["model.rewire_schedule=weekly"], "model.rewire_schedule='weekly' is unknown"),

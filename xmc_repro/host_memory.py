@@ -85,7 +85,10 @@ def check_fits(model_cfg, num_features: int, num_labels: int, on_cpu: bool, proc
     copies = f" x {processes} processes" if processes > 1 else ""
     intermediate = model_cfg.get("intermediate")
     fixes = ["lower model.intermediate"] if intermediate else []
-    if model_cfg.get("head") in ("dense", "bottleneck", "mach"):
+    head = model_cfg.get("head")
+    fixes += {"bottleneck": ["lower model.bottleneck"],
+              "mach": ["lower model.mach.num_buckets or model.mach.num_hashes"]}.get(head, [])
+    if head in ("dense", "bottleneck", "mach"):
         fixes.append("use a sparse head (model=uniform)")
     fixes.append("run on a machine with more memory")
     raise ConfigError(

@@ -17,11 +17,11 @@ from torch import nn
 from xmc_repro.data.labels import flat_keys
 from xmc_repro.errors import ConfigError
 from xmc_repro.sparse import uniform_sparse_linear
+from xmc_repro.validation import MACH_DECODINGS, choice
 
 # A Mersenne prime above any label count: h(j) = ((a j + b) mod P) mod buckets is a universal family,
 # and a * j < 2^62 stays exact in int64.
 _PRIME = 2**31 - 1
-DECODINGS = ("probability", "score")
 
 
 def hash_labels(num_labels: int, num_hashes: int, num_buckets: int, seed: int = 0) -> torch.Tensor:
@@ -44,8 +44,7 @@ class MachHead(nn.Module):
     def __init__(self, in_features: int, num_labels: int, num_hashes: int, num_buckets: int, seed: int = 0,
                  decode: str = "probability"):
         super().__init__()
-        if decode not in DECODINGS:
-            raise ConfigError(f"model.mach.decode={decode!r} is unknown; choose one of {', '.join(DECODINGS)}")
+        choice(decode, "model.mach.decode", MACH_DECODINGS)
         self.decoding = decode
         for name, value in (("num_hashes", num_hashes), ("num_buckets", num_buckets)):
             if int(value) <= 0:

@@ -27,6 +27,7 @@ _SPARSE_OP_HEADS = ("uniform", "mach")  # heads that run the uniform op (MACH de
 # Settings with named choices; the code that acts on them takes these tuples from here.
 INITS = ("authors", "fan_in")  # model.init: the authors' Keras initialisation, or torch's nn.Linear bounds
 REWIRE_SCHEDULES = ("authors", "multiples")  # model.rewire_schedule: after steps 1, N+1, ... or N, 2N, ...
+MACH_DECODINGS = ("probability", "score")  # model.mach.decode (xmc_repro.mach)
 BOTTLENECK_ACTIVATIONS = ("relu", "linear")  # model.bottleneck_activation: the authors' Dense(64, relu), or none
 RESTORE_BEST = ("early_stop", "always")  # trainer.restore_best: when the best epoch's weights are tested
 EPS_PLACEMENTS = ("keras", "torch")  # trainer.adam_eps_placement: Adam's epsilon before or after the bias correction
@@ -282,15 +283,20 @@ def _model(cfg: DictConfig) -> None:
     if target is not None and m.get("_target_") != target:
         raise ConfigError(f"model.head={m.head} names the class a head config builds, not a choice: this config builds "
                           f"{m.get('_target_')}; pick the head with model={m.head}")
-    if m.intermediate is not None and not (_is_int(m.intermediate) and int(m.intermediate) > 0):
+    # 16.0 would build the layer, but be recorded as another configuration than 16
+    if m.intermediate is not None and (isinstance(m.intermediate, float) or not (_is_int(m.intermediate)
+                                                                                 and int(m.intermediate) > 0)):
         raise ConfigError(
-            f"model.intermediate={m.intermediate} must be a positive layer size, or null for no intermediate layer"
+            f"model.intermediate={m.intermediate} must be a positive layer size (an integer), or null for no "
+            "intermediate layer"
         )
     number(cfg, "model.rewire_fraction", low=0, high=1, high_open=True)
     choice(m.get("init", "authors"), "model.init", INITS)
     choice(m.get("rewire_schedule", "authors"), "model.rewire_schedule", REWIRE_SCHEDULES)
     if m.get("head") == "bottleneck":
         choice(m.get("bottleneck_activation", "relu"), "model.bottleneck_activation", BOTTLENECK_ACTIVATIONS)
+    if m.get("head") == "mach" and OmegaConf.select(m, "mach") is not None:
+        choice(OmegaConf.select(m, "mach.decode", default="probability"), "model.mach.decode", MACH_DECODINGS)
     # Sizes a head's config sets (conf/model/<head>.yaml), checked before anything loads; one left null fails
     # when the head is built, with the same message.
     for key, example in (("connectivity", 32), ("bottleneck", 64), ("mach.num_hashes", 8), ("mach.num_buckets", 1024)):
