@@ -43,6 +43,17 @@ def test_model_step_benchmark_writes_both_models(tmp_path):
         assert phases.count(phase) == 2, (way, phases)
 
 
+def test_a_uniform_step_slower_than_dense_reads_as_slower():
+    from xmc_repro.bench_model import markdown
+
+    info = {"host_cpu": "x", "cpu_threads": 1, "torch": "t", "cuda": None, "sparse_backend": "b", "date": "d"}
+    rows = [{"model": name, "way": "eager", "precision": "32-true", "labels": 10, "intermediate": None,
+             "parameters": 1, "step_ms": ms} for name, ms in (("dense", 1.0), ("uniform", 2.0))]
+    assert "- eager, 32-true: uniform step 2.00x slower than dense" in markdown(info, rows, 1.0)  # was "0.50x faster"
+    rows[1]["step_ms"] = 0.25
+    assert "- eager, 32-true: uniform step 4.00x faster than dense" in markdown(info, rows, 1.0)
+
+
 def test_model_step_benchmark_refuses_an_unknown_precision(capsys):
     with pytest.raises(SystemExit):
         bench.main(["--model", "--device", "cpu", "--precision", "16-mixed"])
