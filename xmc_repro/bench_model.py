@@ -319,8 +319,8 @@ def measure_lightning(shape: ModelShape, device, steps: int, warmup: int, precis
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # Lightning's advice on workers and logging
             trainer.fit(model, train_dataloaders=loader)
-    except SystemExit:
-        if trainer is not None and trainer.interrupted:  # Lightning turns Ctrl+C into exit(1), and ignores SIGINT from then on
+    except SystemExit:  # Lightning turns Ctrl+C into exit(1), and ignores SIGINT from then on
+        if trainer is not None and trainer.interrupted:
             signal.signal(signal.SIGINT, signal.default_int_handler)
             raise KeyboardInterrupt from None
         raise
