@@ -54,6 +54,16 @@ def test_a_uniform_step_slower_than_dense_reads_as_slower():
     assert "- eager, 32-true: uniform step 4.00x faster than dense" in markdown(info, rows, 1.0)
 
 
+def test_a_rerun_says_which_results_it_replaces(tmp_path, capsys):
+    args = ["--model", "--device", "cpu", "--scale", "0.0005", "--steps", "1", "--warmup", "0", "--out", str(tmp_path)]
+    assert bench.main(args) == 0
+    assert "and .md\n" in capsys.readouterr().out  # nothing there before
+    (result,) = tmp_path.glob("*.json")
+    first = json.loads(result.read_text())["machine"]
+    assert bench.main(args) == 0
+    assert f"and .md (replacing the results of {first['date']}, commit {first['commit']})" in capsys.readouterr().out
+
+
 def test_model_step_benchmark_refuses_an_unknown_precision(capsys):
     with pytest.raises(SystemExit):
         bench.main(["--model", "--device", "cpu", "--precision", "16-mixed"])

@@ -402,6 +402,15 @@ def machine_info(device, bandwidth: float, l2: float | None = None) -> dict:
     return info
 
 
+def replaced(json_path: Path) -> str:
+    """' (replacing the results of <date>, commit <c>)' when `json_path` holds earlier results, else ''."""
+    try:
+        earlier = json.loads(json_path.read_text(encoding="utf-8")).get("machine", {})
+    except (OSError, ValueError, AttributeError):
+        return " (replacing a file that is not readable results)" if json_path.exists() else ""
+    return f" (replacing the results of {earlier.get('date', '?')}, commit {earlier.get('commit', '?')})"
+
+
 def slug(info: dict) -> str:
     """File name stem of a machine's results: the card's name, or "cpu"."""
     return "".join(ch if ch.isalnum() else "-" for ch in info.get("card", "cpu").lower()).strip("-")
@@ -620,9 +629,10 @@ def _main(argv: list[str] | None = None) -> int:
     name = slug(info)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    note = replaced(out / f"{name}.json")
     write_results({out / f"{name}.json": json.dumps({"machine": info, "results": rows}, indent=1) + "\n",
                    out / f"{name}.md": markdown(info, rows)})
-    print(f"wrote {out / name}.json and .md")
+    print(f"wrote {out / name}.json and .md{note}")
     print(summary(rows))
     choice = rows_choice(rows)
     if choice is not None:  # a line scripts/gpu_all.sh reads

@@ -404,7 +404,7 @@ def run(device, scale: float, steps: int, warmup: int, out: Path, profile_steps:
         precisions: tuple[str, ...] = ("32-true",)) -> int:
     from omegaconf import OmegaConf
 
-    from xmc_repro.bench import copy_bandwidth, machine_info, slug, write_results
+    from xmc_repro.bench import copy_bandwidth, machine_info, replaced, slug, write_results
     from xmc_repro.errors import ConfigError
     from xmc_repro.host_memory import check_fits
     from xmc_repro.resources import resource_dir
@@ -438,10 +438,11 @@ def run(device, scale: float, steps: int, warmup: int, out: Path, profile_steps:
     out.mkdir(parents=True, exist_ok=True)
     text = markdown(info, rows, scale)
     settings = {"steps": steps, "warmup": warmup, "precisions": list(precisions)}
+    note = replaced(out / f"{name}.json")
     write_results({out / f"{name}.json": json.dumps({"machine": info, "scale": scale, "settings": settings,
                                                      "results": rows}, indent=1) + "\n",
                    out / f"{name}.md": text})
-    print(f"wrote {out / name}.json and .md\n")
+    print(f"wrote {out / name}.json and .md{note}\n")
     print(text)
     if profile_steps:
         uniform = paper_models(scale)[1]
