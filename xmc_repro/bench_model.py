@@ -417,9 +417,9 @@ def run(device, scale: float, steps: int, warmup: int, out: Path, profile_steps:
     for shape in paper_models(scale):  # one that cannot fit is refused in one line, not OOM-killed (host_memory)
         try:
             check_fits({"head": shape.head, "intermediate": shape.intermediate, "connectivity": shape.connectivity},
-                       shape.features, shape.labels, on_cpu=device.type == "cpu")
-        except ConfigError as error:  # its fixes are the pipeline's settings; here the size is --scale's
-            raise ConfigError(f"--scale {scale:g}: {str(error).rsplit('; ', 1)[0]}; lower --scale") from None
+                       shape.features, shape.labels, on_cpu=device.type == "cpu", fixes=["lower --scale"])
+        except ConfigError as error:
+            raise ConfigError(f"--scale {scale:g}: {error}") from None
     print(f"model step on {info.get('card', info['host_cpu'])}, scale {scale:g}", flush=True)
     rows = []
     ways = ("eager", "graph", "lightning") if device.type == "cuda" else ("eager", "lightning")

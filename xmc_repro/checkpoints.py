@@ -38,7 +38,7 @@ from lightning.fabric.plugins import TorchCheckpointIO
 from lightning.pytorch.callbacks import Callback, Checkpoint
 
 from xmc_repro.errors import ConfigError, StorageError
-from xmc_repro.sparse.layers import SIZES
+from xmc_repro.sparse.layers import SIZES, SIZES_KEY
 
 try:
     import fcntl
@@ -172,7 +172,7 @@ def check_state(checkpoint: dict, model: torch.nn.Module, path) -> None:
     if not isinstance(state, dict):
         raise ConfigError(f"{path}: corrupted checkpoint (no state_dict); use another checkpoint of the run")
     # A sparse layer's sizes (its extra state) are absent from checkpoints written before they were saved.
-    missing = sorted(key for key in set(expected) - set(state) if not key.endswith("_extra_state"))
+    missing = sorted(key for key in set(expected) - set(state) if not key.endswith(SIZES_KEY))
     extra = sorted(set(state) - set(expected))
     if missing or extra:
         raise ConfigError(
@@ -192,7 +192,7 @@ def check_state(checkpoint: dict, model: torch.nn.Module, path) -> None:
             )
         if not all_finite(got):
             raise ConfigError(f"{path}: corrupted checkpoint: {name} holds NaN or Inf; use another checkpoint of the run")
-        if name.endswith("_extra_state") and not torch.equal(got, want):  # a sparse layer's sizes
+        if name.endswith(SIZES_KEY) and not torch.equal(got, want):  # a sparse layer's sizes
             raise ConfigError(f"{path}: foreign checkpoint: {name} holds the sizes {got.tolist()}, the model's "
                               f"are {want.tolist()} ({', '.join(SIZES)}); use a checkpoint of this run")
     for module_name, module in model.named_modules():

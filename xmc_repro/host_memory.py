@@ -69,9 +69,10 @@ def available_bytes() -> int:
 
 
 def check_fits(model_cfg, num_features: int, num_labels: int, on_cpu: bool, processes: int = 1,
-               available: int | None = None, value_bytes: int = 4) -> None:
+               available: int | None = None, value_bytes: int = 4, fixes: list[str] | None = None) -> None:
     """ConfigError (one line) when the model's training state alone exceeds the available memory; `processes`: how
-    many copies this machine will train at once (DDP ranks on the CPU); `value_bytes`: as `training_bytes`."""
+    many copies this machine will train at once (DDP ranks on the CPU); `value_bytes`: as `training_bytes`;
+    `fixes`: what the message advises (default: the run's settings that shrink the model)."""
     need = training_bytes(model_cfg, num_features, num_labels, on_cpu, value_bytes)
     if need is None:
         return
@@ -84,13 +85,14 @@ def check_fits(model_cfg, num_features: int, num_labels: int, on_cpu: bool, proc
             else "its weights before they move to the GPU")
     copies = f" x {processes} processes" if processes > 1 else ""
     intermediate = model_cfg.get("intermediate")
-    fixes = ["lower model.intermediate"] if intermediate else []
-    head = model_cfg.get("head")
-    fixes += {"bottleneck": ["lower model.bottleneck"],
-              "mach": ["lower model.mach.num_buckets or model.mach.num_hashes"]}.get(head, [])
-    if head in ("dense", "bottleneck", "mach"):
-        fixes.append("use a sparse head (model=uniform)")
-    fixes.append("run on a machine with more memory")
+    if fixes is None:
+        head = model_cfg.get("head")
+        fixes = ["lower model.intermediate"] if intermediate else []
+        fixes += {"bottleneck": ["lower model.bottleneck"],
+                  "mach": ["lower model.mach.num_buckets or model.mach.num_hashes"]}.get(head, [])
+        if head in ("dense", "bottleneck", "mach"):
+            fixes.append("use a sparse head (model=uniform)")
+        fixes.append("run on a machine with more memory")
     raise ConfigError(
         f"model={model_cfg.get('head')}{f' with model.intermediate={intermediate}' if intermediate else ''} over "
         f"{num_features:,} inputs and {num_labels:,} labels has {weights:,} "

@@ -343,14 +343,15 @@ def restores_best(restore_best: str, early_stop) -> bool:
 
 
 class _TagsTheDevice(pl.Callback):
-    """The run's `device` tag once fit has set up its processes: DDP on the CPU gives each rank its share of the
-    threads."""
+    """The run's `device` tag again once fit has set up its processes, where that changed it: DDP on the CPU gives
+    each rank its share of the threads."""
 
-    def __init__(self, tracker, device):
-        self.tracker, self.device = tracker, device
+    def __init__(self, tracker, device, tagged: str):
+        self.tracker, self.device, self.tagged = tracker, device, tagged
 
     def on_fit_start(self, trainer, pl_module):
-        self.tracker.set_tags({"device": device_name(self.device)})
+        if device_name(self.device) != self.tagged:  # one store write less for every other run
+            self.tracker.set_tags({"device": device_name(self.device)})
 
 
 def _fit_and_test(cfg, tracker, checkpoint_dir: Path, resume_from: Path | None, progress: dict) -> dict:
@@ -422,7 +423,7 @@ def _fit_and_test(cfg, tracker, checkpoint_dir: Path, resume_from: Path | None, 
             "world_size": trainer.world_size,
         }
     )
-    trainer.callbacks.append(_TagsTheDevice(tracker, device))
+    trainer.callbacks.append(_TagsTheDevice(tracker, device, device_name(device)))
     trainer.fit(model, datamodule=dm, ckpt_path=resume_from)
     if sigterm_noted(trainer):  # flagged after the loops' last look (e.g. in on_train_end): fit returned normally
         raise SIGTERMException()

@@ -70,7 +70,7 @@ def _indices_misfit(state_dict, prefix: str, layer: nn.Module, bounds) -> str | 
 
 
 SIZES = ("in_features", "out_features", "connectivity")
-_SIZES_KEY = "_extra_state"  # where torch's state_dict puts what get_extra_state returns
+SIZES_KEY = "_extra_state"  # where torch's state_dict puts what get_extra_state returns
 
 
 def _sizes_misfit(saved, prefix: str, layer: nn.Module) -> str | None:
@@ -82,7 +82,7 @@ def _sizes_misfit(saved, prefix: str, layer: nn.Module) -> str | None:
         return None
     name = type(layer).__name__
     if not isinstance(saved, torch.Tensor) or saved.shape != (len(SIZES),):
-        return f"{prefix}{_SIZES_KEY} is not the sizes of a {name}: the state dict is not one of this layer"
+        return f"{prefix}{SIZES_KEY} is not the sizes of a {name}: the state dict is not one of this layer"
 
     def shown(values) -> str:
         return ", ".join(f"{key}={value}" for key, value in zip(SIZES, values))
@@ -108,14 +108,14 @@ class _SavesItsSizes(nn.Module):
         pass  # compared with this layer's before anything loads
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing, unexpected, error_msgs):
-        misfit = (_sizes_misfit(state_dict.get(prefix + _SIZES_KEY), prefix, self)
+        misfit = (_sizes_misfit(state_dict.get(prefix + SIZES_KEY), prefix, self)
                   or _indices_misfit(state_dict, prefix, self, self.index_bounds()))
         if misfit:  # nothing of this layer is loaded; load_state_dict raises with the line
             error_msgs.append(misfit)
             return
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing, unexpected, error_msgs)
-        if prefix + _SIZES_KEY in missing:  # saved before the sizes were
-            missing.remove(prefix + _SIZES_KEY)
+        if prefix + SIZES_KEY in missing:  # saved before the sizes were
+            missing.remove(prefix + SIZES_KEY)
 
 
 class UniformSparseLinear(_SavesItsSizes):
