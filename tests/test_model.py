@@ -127,3 +127,35 @@ def test_the_loss_reaches_the_logger_as_lightning_would_write_it(tmp_path):
     (epoch_loss,) = [m["train/loss_epoch"] for _, m in recorder.metrics if "train/loss_epoch" in m]
     want = sum(loss * n for loss, n in losses.seen) / sum(n for _, n in losses.seen)
     assert abs(epoch_loss - want) < 1e-6
+
+
+class _TwoEqualRanks:
+    """A DDP strategy's sum over two ranks that hold the same values."""
+
+    def reduce(self, tensor, reduce_op):
+        assert reduce_op == "sum"
+        return tensor * 2
+
+
+@pytest.mark.parametrize("world, all_ranks, want", [
+    (2, True, (3.0, 6.0)),  # each rank of two takes its half of the file's all-rank sums
+    (1, True, (6.0, 12.0)),  # one process resumes a DDP run's checkpoint with all of them
+    (2, False, (6.0, 12.0)),  # a checkpoint from before holds rank 0's sums: every rank takes them whole
+])  # fmt: skip
+def test_mid_epoch_checkpoint_keeps_the_epoch_loss_of_all_ranks(world, all_ranks, want):
+    from types import SimpleNamespace
+
+    saver = XMCClassifier(TINY["num_features"], TINY["num_labels"], head="uniform", connectivity=4)
+    saver._losses.load_totals(3.0, 6)  # this rank's; the other holds the same
+    saver._trainer = SimpleNamespace(world_size=2, strategy=_TwoEqualRanks())
+    checkpoint = {}
+    saver.on_save_checkpoint(checkpoint)
+    assert checkpoint["epoch_loss"] == {"sum": 6.0, "points": 12.0, "all_ranks": True}
+    if not all_ranks:
+        del checkpoint["epoch_loss"]["all_ranks"]
+
+    loader = XMCClassifier(TINY["num_features"], TINY["num_labels"], head="uniform", connectivity=4)
+    loader._trainer = SimpleNamespace(world_size=world, strategy=_TwoEqualRanks())
+    loader.on_load_checkpoint(checkpoint)
+    assert loader._losses.totals() == want
+    assert loader.epoch_loss() == pytest.approx(0.5)

@@ -75,6 +75,10 @@ class Recorder(pl.Callback):
 
     def __init__(self, folder):
         self.folder = folder
+        self.epoch_losses = []
+
+    def on_train_epoch_end(self, trainer, pl_module):
+        self.epoch_losses.append(pl_module.epoch_loss())  # every rank asks: under DDP, the mean over all ranks
 
     def on_train_end(self, trainer, pl_module):
         rank = trainer.global_rank
@@ -87,7 +91,8 @@ class Recorder(pl.Callback):
         state = {k: v.detach().clone() for k, v in pl_module.state_dict().items()}
         rewiring = next(c for c in trainer.callbacks if isinstance(c, Rewiring))
         torch.save({"state": state, "rewirings": rewiring.rewirings, "world": trainer.world_size,
-                    "steps": trainer.global_step, "probe": probe}, self.folder / f"rank{rank}.pt")
+                    "steps": trainer.global_step, "probe": probe,
+                    "epoch_losses": self.epoch_losses}, self.folder / f"rank{rank}.pt")
 
 
 def train(model, data, devices: int, folder, rewiring=None, n_train=N_TRAIN):
@@ -131,6 +136,9 @@ def test_ddp_two_ranks_match_one_process(tmp_path, head, n_train):
         assert rank["probe"] is not None and "rank(s) [1]" in rank["probe"]
     assert single["probe"] is None  # one process: nothing to compare
 
+    # The epoch's mean loss (MLflow's train/loss_epoch) is the one process's, on every rank.
+    for rank in ranks:
+        assert rank["epoch_losses"] == pytest.approx(single["epoch_losses"], rel=1e-5)
     # Every rank holds bit-identical connections and weights ...
     for key in ranks[0]["state"]:
         assert torch.equal(ranks[0]["state"][key], ranks[1]["state"][key]), key

@@ -63,6 +63,9 @@ def test_ddp_command_line_records_one_run(tmp_path):
     assert torch.equal(weights[0]["head.indices"], weights[1]["head.indices"])  # rewired alike
     for key in ("head.weight", "head.bias"):
         torch.testing.assert_close(weights[0][key], weights[1][key], rtol=1e-5, atol=1e-6, msg=key)
+    # ... and logs its epoch losses: DDP's are the mean over both ranks' points.
+    losses = [[m.value for m in client.get_metric_history(r.info.run_id, "train/loss_epoch")] for r in (run, single)]
+    assert losses[0] == pytest.approx(losses[1], rel=1e-5)
 
 
 @pytest.mark.slow

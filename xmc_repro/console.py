@@ -153,11 +153,12 @@ class EpochLine(pl.Callback):
               f"{time.perf_counter() - self._start:.0f} s", flush=True)
 
     def on_train_epoch_end(self, trainer, pl_module):
+        # The model's own mean, over all DDP ranks: a collective, so every rank asks before rank 0 alone prints.
+        loss = pl_module.epoch_loss() if hasattr(pl_module, "epoch_loss") else None
         if trainer.global_rank != 0 or self._start is None:
             return
         metrics = trainer.callback_metrics
         parts = [f"epoch {trainer.current_epoch + 1}/{trainer.max_epochs}"]
-        loss = pl_module.epoch_loss() if hasattr(pl_module, "epoch_loss") else None  # the model's own mean
         if loss is not None:
             parts.append(f"loss {loss:.4f}")
         p_at = [(k, _value(metrics, f"val/p_at_{k}")) for k in (1, 3, 5)]

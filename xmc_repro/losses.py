@@ -235,12 +235,13 @@ class TrainingLossLog:
             self._points += batch_size
         return None
 
-    def state_dict(self) -> dict:
-        """The epoch's sum so far (call `flush` first), for a checkpoint: a run resumed mid-epoch goes on with it."""
-        return {"sum": self._sum, "points": self._points}
+    def totals(self) -> tuple[float, float]:
+        """The epoch's loss sum (weighted by batch size) and points so far, of the read steps (`flush` first)."""
+        return self._sum, self._points
 
-    def load_state_dict(self, state: dict) -> None:
-        self._sum, self._points = float(state["sum"]), int(state["points"])
+    def load_totals(self, loss_sum: float, points: float) -> None:
+        """Go on from these totals: a run resumed mid-epoch keeps the epoch's mean of the steps before."""
+        self._sum, self._points = float(loss_sum), float(points)
 
     @property
     def epoch_mean(self) -> float | None:

@@ -207,20 +207,37 @@ class XMCClassifier(pl.LightningModule):
             self.log("train/loss_step", loss.detach(), on_step=True, on_epoch=False, batch_size=batch_size)
 
     def epoch_loss(self) -> float | None:
-        """The epoch's mean training loss so far, weighted by batch size (reads the device once)."""
+        """The epoch's mean training loss so far, weighted by batch size (reads the device once). Under DDP it is
+        the mean over every rank's points, as one process computes it: a collective, so every rank calls it."""
         self._stop_if_non_finite(self._losses.flush())
-        return self._losses.epoch_mean
+        total, points = self._over_ranks(self._losses.totals())
+        return total / points if points else None
+
+    def _over_ranks(self, values: tuple[float, ...]) -> tuple[float, ...]:
+        """`values` summed over the DDP ranks (a collective); unchanged in one process."""
+        trainer = self._trainer
+        if trainer is None or trainer.world_size == 1:
+            return values
+        summed = trainer.strategy.reduce(torch.tensor(values, dtype=torch.float64, device=self.device),
+                                         reduce_op="sum")
+        return tuple(summed.tolist())
 
     def on_train_epoch_start(self):
         self._stop_if_non_finite(self._losses.new_epoch())
 
     def on_save_checkpoint(self, checkpoint):
         self._stop_if_non_finite(self._losses.flush())  # a bad loss keeps the previous checkpoint as the last good one
-        checkpoint["epoch_loss"] = self._losses.state_dict()
+        # Every rank saves (Lightning's save_checkpoint runs on all of them): the file holds all ranks' sums.
+        total, points = self._over_ranks(self._losses.totals())
+        checkpoint["epoch_loss"] = {"sum": total, "points": points, "all_ranks": True}
 
     def on_load_checkpoint(self, checkpoint):
-        if "epoch_loss" in checkpoint:  # checkpoints from before it: the resumed epoch's mean counts its rest only
-            self._losses.load_state_dict(checkpoint["epoch_loss"])
+        state = checkpoint.get("epoch_loss")  # absent before it: the resumed epoch's mean counts its rest only
+        if state is not None:
+            # Each rank takes its part of all ranks' sums, so their sum is the file's (of any number of ranks).
+            # Checkpoints from before "all_ranks" hold rank 0's sums: every rank takes them whole.
+            ranks = self._trainer.world_size if state.get("all_ranks") and self._trainer is not None else 1
+            self._losses.load_totals(state["sum"] / ranks, state["points"] / ranks)
 
     def on_train_epoch_end(self):
         mean = self.epoch_loss()
