@@ -222,7 +222,11 @@ def test_a_setting_of_another_choice_of_its_group_names_that_choice_not_a_plus()
         with pytest.raises(ConfigCompositionException) as caught:
             compose("config", ["model.mach.num_hashes=4"])
     assert unknown_setting(caught.value) == (
-        "unknown setting 'model.mach.num_hashes'; it is a setting of model=mach: choose that first")
+        "unknown setting 'model.mach.num_hashes'; it is a setting of model=mach only: choose it (in a sweep of other "
+        "choices too, sweep it on its own)")
+    # `resume=<a mach run> model.mach.num_hashes=4`: composed with the defaults before the run's own choices load
+    assert unknown_setting(caught.value, resuming=True) == (
+        "unknown setting 'model.mach.num_hashes'; a resumed run keeps its settings: drop model.mach.num_hashes=...")
 
 
 def test_lightnings_ddp_advice_that_the_pipeline_follows_on_purpose_is_not_shown(monkeypatch):

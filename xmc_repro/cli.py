@@ -94,8 +94,9 @@ def closest(word: str, candidates) -> str | None:
     return close[0] if close else None
 
 
-def unknown_setting(error: BaseException) -> str | None:
-    """One line for Hydra's "Could not override 'modle'" (an OmegaConf key error underneath); None otherwise."""
+def unknown_setting(error: BaseException, resuming: bool = False) -> str | None:
+    """One line for Hydra's "Could not override 'modle'" (an OmegaConf key error underneath); None otherwise.
+    `resuming`: the command line has `resume=` (composed with the defaults, the run's own choices come later)."""
     cause = error.__cause__
     full_key = getattr(cause, "full_key", None)
     parent = getattr(cause, "parent_node", None)
@@ -110,8 +111,11 @@ def unknown_setting(error: BaseException) -> str | None:
         hint = f"did you mean '{prefix + '.' if prefix else ''}{match}'?"
     elif known:
         hint = f"{prefix or 'the top level'} has: {', '.join(known)}"
-    elif owner := _choice_declaring(full_key):  # `model.mach.num_hashes=4` under model=uniform (`+` adds it unread)
-        hint = f"it is a setting of {owner}: choose that first"
+    elif (owner := _choice_declaring(full_key)) and resuming:  # `resume=<a mach run> model.mach.num_buckets=8`
+        hint = f"a resumed run keeps its settings: drop {full_key}=..."
+    elif owner:  # `model.mach.num_hashes=4` under model=uniform (`+` adds it unread)
+        # In a sweep over the group (`-m model=dense,mach model.mach.num_buckets=8`) the other choice's job fails.
+        hint = f"it is a setting of {owner} only: choose it (in a sweep of other choices too, sweep it on its own)"
     elif prefix.startswith("hydra.") and "use +" in str(error):  # an empty mapping (sbatch's additional_parameters)
         hint = f"{prefix} starts empty: add to it with '{str(error).rpartition('use ')[2].strip()}'"
     else:

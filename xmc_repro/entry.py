@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import os
+import re
 import signal
 import sys
 import traceback
@@ -32,6 +33,7 @@ warnings.filterwarnings("ignore", r"\s*'hydra/launcher/\w+' is validated against
 # this file (`ok`, or `failed ` and its failure), which the sweep's own process reads at the end.
 OUTCOMES_ENV = "XMC_SWEEP_OUTCOMES"
 FAILED = "failed "
+RESUME = re.compile(r"\+{0,2}resume=(?!null$)")  # a command line that resumes a run
 
 
 def full_errors() -> bool:
@@ -218,8 +220,8 @@ def _one_line_hydra_errors() -> None:
                 match = closest(getattr(error, "missing_cfg_file", "").rpartition("/")[2], options)
                 hint = f"did you mean '{match}'? " if match else ""
                 text = f"{text.strip().splitlines()[0]}; {hint}choose one of: {', '.join(options)}"
-            elif unknown_setting(error):  # Hydra's own text suggests `+key=...`, which adds a key nothing reads
-                text = unknown_setting(error)
+            elif line := unknown_setting(error, resuming=any(RESUME.match(arg) for arg in sys.argv[1:])):
+                text = line  # Hydra's own text suggests `+key=...`, which adds a key nothing reads
             elif unreadable_override(error):  # Hydra's text may not name the override, nor say how to write it
                 text = unreadable_override(error)
             elif error.__cause__ is not None:
