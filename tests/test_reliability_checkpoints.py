@@ -180,6 +180,17 @@ def test_full_disk_while_checkpointing(tmp_path):
     assert not tmp.exists() and not tmp.is_symlink() and previous.read_bytes() == b"previous"
 
 
+def test_a_large_checkpoint_is_announced_before_its_seconds_of_writing(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(checkpoints, "ANNOUNCED_BYTES", 5000)
+    state = {"state_dict": {"w": torch.zeros(500)}, "optimizer_states": [{"state": {0: {"exp_avg": torch.zeros(500)}}}]}
+    checkpoints.SafeCheckpointIO(None).save_checkpoint(state, tmp_path / "small.ckpt")  # 2,000 bytes a tensor
+    assert capsys.readouterr().out == ""
+    state["optimizer_states"][0]["state"][0]["exp_avg_sq"] = torch.zeros(250, dtype=torch.float64)
+    checkpoints.SafeCheckpointIO(None).save_checkpoint(state, tmp_path / "large.ckpt")  # 6,000 bytes in all
+    assert capsys.readouterr().out == f"writing checkpoint {tmp_path / 'large.ckpt'} (0.0 GiB)\n"
+    assert torch.load(tmp_path / "large.ckpt")["optimizer_states"][0]["state"][0]["exp_avg_sq"].dtype == torch.float64
+
+
 def test_disk_filling_up_mid_file_is_one_line(tmp_path, monkeypatch):
     """A disk that fills up after part of the file was written: torch's zip writer raises a RuntimeError while
     closing the archive, over the ENOSPC; still one StorageError line, and no partial file left."""

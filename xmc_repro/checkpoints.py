@@ -48,6 +48,7 @@ except ImportError:  # not POSIX: no lock
 LAST = "last.ckpt"
 _UNREADABLE_FIX = "give a run id or a .ckpt file written by python -m xmc_repro"
 STATE_KEY = "xmc_repro"  # our section of a checkpoint
+ANNOUNCED_BYTES = 1 << 30  # a checkpoint this large takes seconds to write (a dense 670k head: 6 GiB, ~15 s)
 LOCK = "writer.lock"
 # Everything a checkpoint's pickle may name: containers and tensors (RNG states are stored as tensors and plain
 # numbers for this). Anything else (a class, a function such as os.system) is refused before unpickling.
@@ -244,6 +245,9 @@ class SafeCheckpointIO(TorchCheckpointIO):
     def save_checkpoint(self, checkpoint, path, storage_options=None) -> None:
         path = Path(path)
         tmp = path if path.suffix == ".tmp" else path.with_name(path.name + ".tmp")
+        size = _tensor_bytes(checkpoint)
+        if size >= ANNOUNCED_BYTES:  # seconds of writing: the pause at an epoch's end is explained
+            print(f"writing checkpoint {tmp.with_suffix('')} ({size / 2**30:.1f} GiB)", flush=True)
         write(checkpoint, tmp)
         if tmp != path:
             os.replace(tmp, path)
@@ -269,6 +273,17 @@ def write(checkpoint: dict, path: Path) -> None:
             f"kept; {'free space on that disk' if full else 'fix the folder'}, then continue the run with "
             "resume=<run id>"
         ) from None
+
+
+def _tensor_bytes(value) -> int:
+    """The bytes of every tensor in a checkpoint's nested dicts and lists."""
+    if isinstance(value, torch.Tensor):
+        return value.numel() * value.element_size()
+    if isinstance(value, dict):
+        return sum(_tensor_bytes(v) for v in value.values())
+    if isinstance(value, (list, tuple)):
+        return sum(_tensor_bytes(v) for v in value)
+    return 0
 
 
 def _os_error(error: BaseException | None) -> OSError | None:
