@@ -48,7 +48,7 @@ except ImportError:  # not POSIX: no lock
 LAST = "last.ckpt"
 _UNREADABLE_FIX = "give a run id or a .ckpt file written by python -m xmc_repro"
 STATE_KEY = "xmc_repro"  # our section of a checkpoint
-ANNOUNCED_BYTES = 1 << 30  # a checkpoint this large takes seconds to write (a dense 670k head: 5.8 GiB with Adam, ~15 s)
+ANNOUNCED_BYTES = 1 << 30  # a checkpoint this large takes seconds to write (dense 670k head, Adam: 5.8 GiB, ~15 s)
 LOCK = "writer.lock"
 # Everything a checkpoint's pickle may name: containers and tensors (RNG states are stored as tensors and plain
 # numbers for this). Anything else (a class, a function such as os.system) is refused before unpickling.
