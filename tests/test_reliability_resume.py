@@ -227,13 +227,18 @@ def test_an_empty_resume_or_fewer_epochs_than_done_are_refused_before_the_run_is
         prepare(OmegaConf.create({"resume": " "}), explicit=["resume"], multirun=False)
     stored = {"trainer": {"max_epochs": 6}, "resume": None}
     path = tmp_path / "last.ckpt"
-    torch.save({"state_dict": {}, "loops": {"fit_loop": {"epoch_progress": {"current": {"completed": 3}}}},
-                checkpoints.STATE_KEY: {"config": OmegaConf.to_yaml(stored), "run_id": "r1"}}, path)
-    command_line = lambda epochs: OmegaConf.create({"resume": str(path), "trainer": {"max_epochs": epochs}})
-    with pytest.raises(ConfigError, match=r"^resume: trainer.max_epochs=2 is below the 3 epochs .*max_epochs=3 or more$"):
-        prepare(command_line(2), explicit=["resume", "trainer.max_epochs"], multirun=False)
-    merged, resumed_from, run_id = prepare(command_line(3), explicit=["resume", "trainer.max_epochs"], multirun=False)
-    assert merged.trainer.max_epochs == 3 and resumed_from == path and run_id == "r1"
+    # As written at the end of epoch 3: Lightning counts that epoch as completed only after its checkpoints.
+    progress = {"ready": 3, "started": 3, "processed": 3, "completed": 2}
+    for ours in ({"epochs_done": 3}, {}):  # checkpoints from before epochs_done: Lightning's processed epochs
+        torch.save({"state_dict": {}, "loops": {"fit_loop": {"epoch_progress": {"current": progress}}},
+                    checkpoints.STATE_KEY: {"config": OmegaConf.to_yaml(stored), "run_id": "r1", **ours}}, path)
+        command_line = lambda epochs: OmegaConf.create({"resume": str(path), "trainer": {"max_epochs": epochs}})
+        with pytest.raises(ConfigError,
+                           match=r"^resume: trainer.max_epochs=2 is below the 3 epochs .*max_epochs=3 or more$"):
+            prepare(command_line(2), explicit=["resume", "trainer.max_epochs"], multirun=False)
+        merged, resumed_from, run_id = prepare(command_line(3), explicit=["resume", "trainer.max_epochs"],
+                                               multirun=False)
+        assert merged.trainer.max_epochs == 3 and resumed_from == path and run_id == "r1"
 
 
 def test_reopening_a_run(tmp_path, store):

@@ -30,8 +30,9 @@ def compose(overrides):
 REFUSED = {
     "seed_negative": (["seed=-1"], "seed=-1 must be an integer in [0, 4294967295]"),
     "seed_too_large": ([f"seed={2**32}"], "seed=4294967296 must be an integer in [0, 4294967295]"),
-    "lr_nan": (["trainer.lr=nan"], "trainer.lr=nan must be a finite number > 0"),
-    "lr_inf": (["trainer.lr=inf"], "trainer.lr=inf must be a finite number > 0"),
+    "lr_nan": (["trainer.lr=nan"], "trainer.lr=nan must be a finite number in (0, 1e+37]"),
+    "lr_inf": (["trainer.lr=inf"], "trainer.lr=inf must be a finite number in (0, 1e+37]"),
+    "lr_overflowing_adam": (["trainer.lr=1e38"], "trainer.lr=1e+38 must be a finite number in (0, 1e+37]"),
     "lr_factor_2": (["trainer.lr_factor=2"], "trainer.lr_factor=2 must be a finite number in (0, 1)"),
     "lr_factor_1": (["trainer.lr_factor=1"], "trainer.lr_factor=1 must be a finite number in (0, 1)"),
     "lr_factor_0": (["trainer.lr_factor=0"], "trainer.lr_factor=0 must be a finite number in (0, 1)"),
@@ -252,7 +253,7 @@ def test_a_bad_value_on_the_command_line_is_refused_before_torch_loads(tmp_path)
 
 CLI_CASES = {
     "seed=-1": "error: seed=-1 must be an integer in [0, 4294967295]",
-    "trainer.lr=nan": "error: trainer.lr=nan must be a finite number > 0",
+    "trainer.lr=nan": "error: trainer.lr=nan must be a finite number in (0, 1e+37]",
     # Hydra keeps the overrides in its config: reading them resolved this one, with a traceback, before validate
     "trainer.max_epochs=${dataset.max_epoch}": "error: trainer.max_epochs cannot be resolved (Interpolation key "
                                                "'dataset.max_epoch' not found)",

@@ -12,6 +12,7 @@ import re
 import math
 import shutil
 import uuid
+from pathlib import Path
 
 import pytest
 
@@ -890,3 +891,15 @@ def test_smoke_rewrites_a_damaged_data_missing_after_its_sweeps(tmp_path):
     sweep = lambda command, **kwargs: sweeps.append(command) or subprocess.CompletedProcess(command, 0)  # noqa: E731
     smoke.run_smoke(("table5",), f"sqlite:///{tmp_path / 'm.db'}", missing, run=sweep)
     assert len(sweeps) == 1 and json.loads(missing.read_text()) == {}
+
+
+def test_the_readmes_table_1_is_the_rendered_one():
+    """The README shows Table 1's smoke section as `dvc repro` renders it: every line, in order, from the file."""
+    root = Path(__file__).resolve().parent.parent
+    readme = (root / "README.md").read_text(encoding="utf-8").splitlines()
+    start = readme.index("<details><summary>Table 1, smoke scale (click)</summary>")
+    shown = [line for line in readme[start + 1 : readme.index("</details>", start)] if line.strip()]
+    rendered = [line for line in (root / "results" / "tables" / "table1.md").read_text(encoding="utf-8").splitlines()
+                if line.strip()]
+    first = rendered.index(shown[0])
+    assert shown == rendered[first : first + len(shown)]

@@ -149,14 +149,16 @@ def load(path: str | Path, setting: str = "resume") -> dict:
 
 
 def read(path: str | Path) -> dict:
-    """Our section of a checkpoint file (config as YAML, run_id, ...) and `completed_epochs`, Lightning's current
-    epoch once the checkpoint is restored; ConfigError when it is not one of ours."""
+    """Our section of a checkpoint file (config as YAML, run_id, ...) and `completed_epochs`, the epochs it has
+    trained whole; ConfigError when it is not one of ours."""
     checkpoint = load(path)
     section = checkpoint.get(STATE_KEY)
     if not isinstance(section, dict) or not isinstance(section.get("config"), str):
         raise ConfigError(f"resume={path}: not a checkpoint written by python -m xmc_repro (no run config in it)")
     progress = checkpoint.get("loops", {}).get("fit_loop", {}).get("epoch_progress", {}).get("current", {})
-    return {**section, "completed_epochs": int(progress.get("completed", 0))}
+    # An epoch-end checkpoint is written before Lightning counts its epoch as completed, not before "processed".
+    done = section.get("epochs_done", progress.get("processed", progress.get("completed", 0)))
+    return {**section, "completed_epochs": int(done)}
 
 
 def load_checked(path: str | Path, model: torch.nn.Module, setting: str = "resume") -> dict:

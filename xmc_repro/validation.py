@@ -171,7 +171,8 @@ def validate(cfg: DictConfig) -> None:
         positive_int(OmegaConf.select(cfg, key), key)
     number(cfg, "seed", int, low=0, high=SEED_MAX, fix="numpy's seeds lie in [0, 2**32 - 1]")
     t = "trainer."
-    number(cfg, t + "lr", low=0, low_open=True, fix="e.g. trainer.lr=1e-3")
+    # Above 1e37 Adam's first step, lr / (1 - beta_1), overflows float32: torch fails with a traceback.
+    number(cfg, t + "lr", low=0, high=1e37, low_open=True, fix="e.g. trainer.lr=1e-3")
     number(cfg, t + "lr_factor", low=0, high=1, low_open=True, high_open=True,
            fix="the LR is multiplied by it on a plateau, e.g. trainer.lr_factor=0.5")
     number(cfg, t + "min_lr", low=0)
