@@ -174,3 +174,36 @@ def test_failed_job_does_not_stop_its_sweep(tmp_path, store):
     assert {k: r.info.status for k, r in by_connectivity.items()} == {"8": "FINISHED", "100": "FAILED", "4": "FINISHED"}
     assert "exceeds" in by_connectivity["100"].data.tags["error"]
     assert not list(tmp_path.glob("multirun/.outcomes-*"))
+
+
+A_BUG_IN_A_RUN = """
+import sys
+import xmc_repro.entry as entry
+import xmc_repro.train as train
+
+def _fit_and_test(*args, **kwargs):
+    raise RuntimeError("a bug")
+
+train._fit_and_test = _fit_and_test
+sys.argv = ["xmc_repro", *sys.argv[1:]]
+entry.main()
+"""
+
+
+def test_a_bug_in_a_run_shows_its_traceback_then_what_became_of_the_run(tmp_path, store):
+    """A bug once the MLflow run was open printed Hydra's traceback alone: not the line saying the run was marked
+    FAILED (or, with the store unwritable, that it shows RUNNING and how to close it)."""
+    import subprocess
+    import sys
+
+    from test_reliability_common import cli_env
+
+    copy_store(store, tmp_path)
+    (tmp_path / "bug.py").write_text(A_BUG_IN_A_RUN)
+    result = subprocess.run([sys.executable, str(tmp_path / "bug.py"), *TINY,
+                             f"logger.tracking_uri=sqlite:///{tmp_path / 'mlruns.db'}"],
+                            cwd=tmp_path, env=cli_env(), capture_output=True, text=True, timeout=300)
+    assert result.returncode == 1 and "Traceback" in result.stderr, result.stderr[-2000:]
+    assert stderr_lines(result.stderr)[-1] == "error: RuntimeError: a bug", result.stderr[-2000:]
+    (run,) = runs(tmp_path)
+    assert run.info.status == "FAILED" and run.data.tags["error"] == "RuntimeError: a bug"

@@ -329,3 +329,53 @@ def test_ddp_lines_name_another_ranks_stop_and_the_rank_that_prints(tmp_path, mo
     assert _rank_prefix() == ""
     monkeypatch.setenv("LOCAL_RANK", "1")  # as Lightning's ddp launcher starts rank 1
     assert _rank_prefix() == "rank 1: "
+
+
+AROUND_THE_RUNS = """
+import sys
+import hydra._internal.utils as hydra_utils
+import xmc_repro.entry as entry
+from xmc_repro.resume import note_started
+from xmc_repro.tracking import RunTracker
+
+what, uri = sys.argv[1:]
+
+def launch():  # as Hydra runs a sweep: a job opens its run, then the launcher fails around it
+    if what == "folder":
+        raise NotADirectoryError(20, "Not a directory", "outputs/a-file/run")
+    tracker = RunTracker(uri, "e")
+    note_started(tracker.run_id, tracker.tracking_uri, entry.Path("checkpoints") / tracker.run_id)
+    print(tracker.run_id, flush=True)
+    raise RuntimeError("A worker process managed by the executor was unexpectedly terminated.")
+
+entry._task = lambda: hydra_utils.run_and_report(launch)
+sys.argv = ["xmc_repro", "-m", "seed=1,2"]
+entry.main()
+"""
+
+
+@pytest.mark.parametrize("what", ["folder", "launcher"])
+def test_what_fails_around_the_runs_is_one_line_and_leaves_no_run_running(tmp_path, store, what):
+    """Hydra's output folder that cannot be written, and a sweep's launcher failing (joblib's TerminatedWorkerError
+    when the OOM killer kills a worker) printed Hydra's traceback; the launcher's left the workers' runs RUNNING."""
+    from mlflow.tracking import MlflowClient
+
+    copy_store(store, tmp_path)
+    uri = f"sqlite:///{tmp_path / 'mlruns.db'}"
+    (tmp_path / "around.py").write_text(AROUND_THE_RUNS)
+    done = subprocess.run([sys.executable, str(tmp_path / "around.py"), what, uri], cwd=tmp_path, env=cli_env(),
+                          capture_output=True, text=True, timeout=120)
+    if what == "folder":
+        assert done.returncode == 2 and stderr_lines(done.stderr) == [
+            "error: cannot write outputs/a-file/run (Not a directory); fix that folder or choose another "
+            "(hydra.run.dir=..., with -m hydra.sweep.dir=...)"], done.stderr
+        return
+    (run_id,) = done.stdout.split()
+    assert done.returncode == 1 and stderr_lines(done.stderr) == [
+        "error: the sweep's launcher failed (RuntimeError: A worker process managed by the executor was unexpectedly "
+        f"terminated.); the runs of its unfinished jobs are marked FAILED ({run_id}): continue each with "
+        "resume=<its id>"], done.stderr
+    run = MlflowClient(uri).get_run(run_id)
+    assert run.info.status == "FAILED"
+    assert run.data.tags["error"] == "interrupted (the sweep's launcher failed: RuntimeError); no checkpoint yet"
+    assert not list(tmp_path.glob("multirun/.*"))

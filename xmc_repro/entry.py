@@ -114,8 +114,10 @@ def _task(cfg: DictConfig):
         known = isinstance(error, UserError) or _explained(error)
         message = getattr(error, "run_failure", None) or _failure_message(error)
         if job is None:
+            if not known and not hasattr(error, "run_failure"):
+                raise  # a bug before a run opened: Hydra prints the traceback
             if not known:
-                raise  # a bug: Hydra prints the traceback
+                traceback.print_exc()  # a bug: its traceback, then what became of the run (its last line)
             print(f"error: {_rank_prefix()}{message}", file=sys.stderr)
             sys.exit(2 if isinstance(error, UserError) else 1)
         if not known:
@@ -141,6 +143,9 @@ def _task(cfg: DictConfig):
     if results:  # empty on DDP ranks other than 0, which record and report nothing
         print_summary(results["config"], results)
     return results
+
+
+_TASK_CODE = _task.__wrapped__.__code__  # a run's own frames, below Hydra's
 
 
 def _failure_message(error: BaseException) -> str:
@@ -229,6 +234,8 @@ def _one_line_hydra_errors() -> None:
             print(f"error: {' '.join(text.split())}", file=sys.stderr)
             sys.exit(2)
         except Exception as error:
+            if not full_errors() and not _raised_in_a_job(error):
+                _report_outside_jobs(error)  # exits if it can say what happened in one line
             return original(functools.partial(_reraise, error))
 
     run_and_report.one_line = True
@@ -237,6 +244,33 @@ def _one_line_hydra_errors() -> None:
 
 def _reraise(error: BaseException):
     raise error
+
+
+def _raised_in_a_job(error: BaseException) -> bool:
+    """Whether `error` came out of a run (`_task`), which has said what it can, not out of Hydra around it."""
+    return any(frame.f_code is _TASK_CODE for frame, _ in traceback.walk_tb(error.__traceback__))
+
+
+def _report_outside_jobs(error: Exception) -> None:
+    """One line, and exit, for what fails around the runs: Hydra's output folder that cannot be written, and a
+    sweep's launcher (joblib's TerminatedWorkerError when a worker is killed, by the OOM killer for one), after
+    marking FAILED the runs its jobs left RUNNING. Anything else returns, for Hydra's traceback."""
+    if isinstance(error, OSError) and error.filename:
+        print(f"error: cannot write {error.filename} ({error.strerror}); fix that folder or choose another "
+              "(hydra.run.dir=..., with -m hydra.sweep.dir=...)", file=sys.stderr)
+        sys.exit(2)
+    if not any(arg in ("-m", "--multirun") or arg == "hydra.mode=MULTIRUN" for arg in sys.argv[1:]):
+        return
+    from xmc_repro.cli import STARTED_RUNS_ENV
+    from xmc_repro.resume import close_interrupted
+
+    reason = " ".join(f"{type(error).__name__}: {error}".split())
+    closed = close_interrupted(Path(os.environ.get(STARTED_RUNS_ENV, "")), f"the sweep's launcher failed: "
+                               f"{type(error).__name__}")
+    closing = (f"; the runs of its unfinished jobs are marked FAILED ({', '.join(closed)}): continue each with "
+               "resume=<its id>") if closed else ""
+    print(f"error: the sweep's launcher failed ({reason}){closing}", file=sys.stderr)
+    sys.exit(1)
 
 
 # Hydra's flags combined wrongly (`-m --cfg job`): hydra-core 1.3 raises these outside its error reporting.
@@ -299,8 +333,11 @@ def main() -> None:
         sys.exit(143 if why == "SIGTERM" else 130)
     finally:
         lines = outcomes.read_text(encoding="utf-8").splitlines() if outcomes.is_file() else []
-        outcomes.unlink(missing_ok=True)
-        started.unlink(missing_ok=True)
+        for bookkeeping in (outcomes, started):
+            try:
+                bookkeeping.unlink(missing_ok=True)
+            except OSError:  # an unwritable multirun/: the error that stopped the sweep says so
+                pass
         del os.environ[OUTCOMES_ENV], os.environ[STARTED_RUNS_ENV]
     summary = _sweep_summary(lines)
     if summary:
