@@ -167,6 +167,21 @@ def test_garbage_and_truncated_files_are_one_line(finished, tmp_path):
             checkpoints.read(tmp_path / name)
 
 
+def test_an_unreadable_last_checkpoint_names_the_runs_other_one(finished, tmp_path):
+    """`resume=<run id>` with a truncated last.ckpt said to give a run id (it was one), not that best.ckpt is
+    there to continue from."""
+    directory, run_id = finished
+    run_dir = tmp_path / run_id
+    shutil.copytree(directory / "checkpoints" / run_id, run_dir, ignore=shutil.ignore_patterns("*.lock"))
+    data = (run_dir / "last.ckpt").read_bytes()
+    (run_dir / "last.ckpt").write_bytes(data[: len(data) // 2])
+    with pytest.raises(ConfigError) as info:
+        checkpoints.read(run_dir / "last.ckpt")
+    assert str(info.value).endswith(f"; its folder also holds best.ckpt: continue from that checkpoint's epoch with "
+                                    f"resume={run_dir / 'best.ckpt'}")
+    assert checkpoints.read(run_dir / "best.ckpt")["run_id"] == run_id
+
+
 def test_full_disk_while_checkpointing(tmp_path):
     """ENOSPC: a StorageError in one line, the partial file removed, the previous checkpoint untouched."""
     previous = tmp_path / "last.ckpt"

@@ -121,6 +121,15 @@ def pickled_globals(path: Path) -> set[str]:
     return found
 
 
+def _unreadable_fix(path: Path) -> str:
+    """What to do about an unreadable checkpoint: continue from another of its run's, if its folder holds one."""
+    others = sorted(p.name for p in path.parent.glob("*.ckpt") if p.name != path.name)
+    if others:
+        return (f"its folder also holds {', '.join(others)}: continue from that checkpoint's epoch with "
+                f"resume={path.parent / others[0]}")
+    return _UNREADABLE_FIX
+
+
 def load(path: str | Path, setting: str = "resume") -> dict:
     """A checkpoint file as a dict of tensors and plain values; ConfigError (one line) for anything else.
 
@@ -132,7 +141,7 @@ def load(path: str | Path, setting: str = "resume") -> dict:
         unknown = sorted(pickled_globals(path) - ALLOWED_GLOBALS)
     except Exception as error:  # unreadable, truncated, not a torch zip file
         reason = f"{type(error).__name__}: {error}"
-        raise ConfigError(f"{setting}={path}: not a readable checkpoint ({reason}); {_UNREADABLE_FIX}") from None
+        raise ConfigError(f"{setting}={path}: not a readable checkpoint ({reason}); {_unreadable_fix(path)}") from None
     if unknown:
         raise ConfigError(
             f"{setting}={path}: refused, the checkpoint would import {', '.join(unknown[:3])} (a checkpoint holds only "
@@ -142,7 +151,7 @@ def load(path: str | Path, setting: str = "resume") -> dict:
         checkpoint = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
     except Exception as error:
         reason = f"{type(error).__name__}: {' '.join(str(error).split())[:200]}"
-        raise ConfigError(f"{setting}={path}: not a readable checkpoint ({reason}); {_UNREADABLE_FIX}") from None
+        raise ConfigError(f"{setting}={path}: not a readable checkpoint ({reason}); {_unreadable_fix(path)}") from None
     if not isinstance(checkpoint, dict) or not isinstance(checkpoint.get("state_dict"), dict):
         raise ConfigError(f"{setting}={path}: not a Lightning checkpoint (no state_dict in it)")
     return checkpoint
