@@ -379,3 +379,28 @@ def test_what_fails_around_the_runs_is_one_line_and_leaves_no_run_running(tmp_pa
     assert run.info.status == "FAILED"
     assert run.data.tags["error"] == "interrupted (the sweep's launcher failed: RuntimeError); no checkpoint yet"
     assert not list(tmp_path.glob("multirun/.*"))
+
+
+SUMMARY_CUT_SHORT = """
+import sys
+import xmc_repro.entry as entry
+import xmc_repro.train as train
+
+train.run = lambda cfg: {"config": cfg, "run_id": "r1"}  # a run that FINISHED
+
+def print_summary(cfg, results):
+    raise KeyboardInterrupt  # Ctrl+C while the summary prints
+
+entry.print_summary = print_summary
+sys.argv = ["xmc_repro", "trainer.accelerator=cpu"]
+entry.main()
+"""
+
+
+def test_ctrl_c_during_the_summary_says_the_run_is_recorded(tmp_path):
+    """It said `interrupted (Ctrl+C)` alone, as if the run were lost, and the run id was never printed."""
+    (tmp_path / "summary.py").write_text(SUMMARY_CUT_SHORT)
+    done = subprocess.run([sys.executable, str(tmp_path / "summary.py")], cwd=tmp_path, env=cli_env(),
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 130 and stderr_lines(done.stderr) == [
+        "error: interrupted (Ctrl+C) after run r1 had FINISHED; its results are recorded"], done.stderr

@@ -141,7 +141,11 @@ def _task(cfg: DictConfig):
     if _sweep_job() is not None:
         _record_outcome("ok")
     if results:  # empty on DDP ranks other than 0, which record and report nothing
-        print_summary(results["config"], results)
+        try:
+            print_summary(results["config"], results)
+        except KeyboardInterrupt as error:  # Ctrl+C or SIGTERM while it prints: the run is recorded all the same
+            error.run_failure = f"after run {results['run_id']} had FINISHED; its results are recorded"
+            raise
     return results
 
 
@@ -329,7 +333,8 @@ def main() -> None:
         closed = close_interrupted(started, why)  # the runs of jobs the launcher killed
         closing = (f"; the runs of killed jobs are marked FAILED ({', '.join(closed)}): continue each with "
                    "resume=<its id>") if closed else ""
-        print(f"error: interrupted ({why}){closing}", file=sys.stderr)
+        after = getattr(error, "run_failure", None)  # a run's summary, cut short
+        print(f"error: interrupted ({why}){' ' + after if after else ''}{closing}", file=sys.stderr)
         sys.exit(143 if why == "SIGTERM" else 130)
     finally:
         lines = outcomes.read_text(encoding="utf-8").splitlines() if outcomes.is_file() else []
