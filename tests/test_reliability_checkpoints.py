@@ -182,6 +182,25 @@ def test_an_unreadable_last_checkpoint_names_the_runs_other_one(finished, tmp_pa
     assert checkpoints.read(run_dir / "best.ckpt")["run_id"] == run_id
 
 
+def test_a_flipped_bit_in_a_checkpoints_weights_is_refused(finished, tmp_path):
+    """torch loads a tensor without checking the zip entry's CRC-32: the changed weights loaded silently."""
+    import zipfile
+
+    directory, run_id = finished
+    path = tmp_path / "flipped.ckpt"
+    shutil.copy(directory / "checkpoints" / run_id / "last.ckpt", path)
+    with zipfile.ZipFile(path) as archive:
+        weight = next(i for i in archive.infolist() if "/data/" in i.filename and i.file_size >= 64)
+    data = bytearray(path.read_bytes())
+    header = weight.header_offset  # its local header: 30 bytes, then its name and extra field (lengths at 26, 28)
+    start = header + 30 + int.from_bytes(data[header + 26 : header + 28], "little") + int.from_bytes(
+        data[header + 28 : header + 30], "little")
+    data[start + 5] ^= 0x10
+    path.write_bytes(bytes(data))
+    with pytest.raises(ConfigError, match=rf"^resume={path}: corrupted checkpoint \(.*/data/\d+ fails its checksum\)"):
+        checkpoints.read(path)
+
+
 def test_full_disk_while_checkpointing(tmp_path):
     """ENOSPC: a StorageError in one line, the partial file removed, the previous checkpoint untouched."""
     previous = tmp_path / "last.ckpt"

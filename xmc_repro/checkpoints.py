@@ -139,9 +139,14 @@ def load(path: str | Path, setting: str = "resume") -> dict:
     path = Path(path)
     try:
         unknown = sorted(pickled_globals(path) - ALLOWED_GLOBALS)
+        with zipfile.ZipFile(path) as archive:  # torch reads tensors without checking them: a flipped bit loads
+            damaged = archive.testzip()  # every entry against its CRC-32 (one read of the file, ~1 s a GB)
     except Exception as error:  # unreadable, truncated, not a torch zip file
         reason = f"{type(error).__name__}: {error}"
         raise ConfigError(f"{setting}={path}: not a readable checkpoint ({reason}); {_unreadable_fix(path)}") from None
+    if damaged is not None:
+        raise ConfigError(f"{setting}={path}: corrupted checkpoint ({damaged} fails its checksum); "
+                          f"{_unreadable_fix(path)}")
     if unknown:
         raise ConfigError(
             f"{setting}={path}: refused, the checkpoint would import {', '.join(unknown[:3])} (a checkpoint holds only "
