@@ -212,6 +212,10 @@ def test_full_disk_while_checkpointing(tmp_path):
     message = str(info.value)
     assert "no space left on the device" in message and "resume=<run id>" in message and "\n" not in message
     assert not tmp.exists() and not tmp.is_symlink() and previous.read_bytes() == b"previous"
+    previous.unlink()  # the run's first checkpoint: nothing to continue from
+    tmp.symlink_to("/dev/full")
+    with pytest.raises(StorageError, match=r"no checkpoint yet; free space on that disk, then start it again$"):
+        checkpoints.SafeCheckpointIO(None).save_checkpoint({"x": torch.zeros(100_000)}, tmp)
 
 
 def test_a_large_checkpoint_is_announced_before_its_seconds_of_writing(tmp_path, monkeypatch, capsys):

@@ -284,11 +284,13 @@ def write(checkpoint: dict, path: Path) -> None:
             raise
         full = error.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
         reason = "no space left on the device" if full else (error.strerror or str(error))
-        raise StorageError(
-            f"cannot write checkpoint {path} ({reason}); the partial file is removed and the previous checkpoint "
-            f"kept; {'free space on that disk' if full else 'fix the folder'}, then continue the run with "
-            "resume=<run id>"
-        ) from None
+        fix = "free space on that disk" if full else "fix the folder"
+        if any(path.parent.glob("*.ckpt")):
+            then = f"the partial file is removed and the previous checkpoint kept; {fix}, then continue the run with " \
+                   "resume=<run id>"
+        else:  # the run's first checkpoint: nothing to continue from
+            then = f"the partial file is removed and the run has no checkpoint yet; {fix}, then start it again"
+        raise StorageError(f"cannot write checkpoint {path} ({reason}); {then}") from None
 
 
 def _tensor_bytes(value) -> int:
