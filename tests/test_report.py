@@ -712,7 +712,7 @@ def test_a_record_with_malformed_fields_is_named_in_one_line(tmp_path, edit, mes
     edit(record)
     path = tmp_path / "r1.json"
     path.write_text(json.dumps(record))
-    with pytest.raises(records.DataError, match=rf"^{re.escape(f'{path}: {message}; restore it')}"):
+    with pytest.raises(records.DataError, match=rf"^{re.escape(f'{path}: {message}; rerun `records add`')}"):
         records.load(tmp_path)
 
 
@@ -903,3 +903,99 @@ def test_the_readmes_table_1_is_the_rendered_one():
                 if line.strip()]
     first = rendered.index(shown[0])
     assert shown == rendered[first : first + len(shown)]
+
+
+# ---------------------------------------------------------------------------------------------------- writing records
+
+
+def _limited_to(size: int):
+    """A `preexec_fn` that lets the child write no file past `size` bytes (EFBIG, as a full disk gives ENOSPC)."""
+    import resource
+    import signal
+
+    def limit():
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # the write fails instead of killing the process
+        resource.setrlimit(resource.RLIMIT_FSIZE, (size, size))
+
+    return limit
+
+
+def _report(args, cwd, size=None):
+    import subprocess
+    import sys
+
+    env = {**__import__("os").environ, "PYTHONPATH": str(records.PROJECT_ROOT), "PYTHONDONTWRITEBYTECODE": "1"}
+    return subprocess.run([sys.executable, "-m", "xmc_repro.report", *args], cwd=cwd, env=env, capture_output=True,
+                          text=True, timeout=300, preexec_fn=_limited_to(size) if size else None)  # fmt: skip
+
+
+def test_records_add_on_a_full_disk_leaves_no_half_record_and_says_so_in_one_line(tmp_path, empty_store):
+    """A write that failed left a 0-byte <id>.json (export then told to `git checkout` a file never committed), and
+    an updated record truncated in place."""
+    from mlflow.entities import Metric, Param, RunTag
+    from mlflow.tracking import MlflowClient
+
+    shutil.copy(empty_store, tmp_path / "gpu.db")
+    uri = f"sqlite:///{tmp_path / 'gpu.db'}"
+    client = MlflowClient(uri)
+    experiment = client.get_experiment_by_name("xmc_repro").experiment_id
+    ids = []
+    for p1 in (50.5, 40.5):
+        run_id = client.create_run(experiment, run_name="ok").info.run_id
+        client.log_batch(run_id, metrics=[Metric("test/p_at_1", p1, 0, 0)],
+                         params=[Param(k, v) for k, v in params_of(BIBTEX, "uniform", 32, 256).items()],
+                         tags=[RunTag("table", "table1"), RunTag("scale", "smoke")])  # fmt: skip
+        client.set_terminated(run_id, "FINISHED")
+        ids.append(run_id)
+    directory = tmp_path / "records"
+    directory.mkdir()
+    current = directory / f"{ids[1]}.json"  # unchanged: not written again
+    current.write_text(records.dump(records.record_of_run(client.get_run(ids[1]))))
+    older = directory / f"{ids[0]}.json"  # an earlier copy, to be updated
+    old_text = records.dump({**records.record_of_run(client.get_run(ids[0])), "run_name": "renamed since"})
+    older.write_text(old_text)
+    limit = len(old_text) // 2
+    for kept in ("the old file is kept", "no file was left there"):  # an update, then (the old record gone) a new one
+        files = {path: path.read_text() for path in directory.iterdir()}
+        result = _report(["records", "add", uri, "--dir", str(directory)], tmp_path, size=limit)
+        assert result.returncode == 2, result.stderr[-3000:]
+        assert result.stderr.splitlines() == [f"error: {older}: could not be written (File too large); fix that and "
+                                              f"rerun `records add` ({kept})"]
+        # no empty record, no temporary file, the old record not truncated
+        assert {path: path.read_text() for path in directory.iterdir()} == files
+        older.unlink(missing_ok=True)
+    counts = records.add_from_store(uri, directory)  # with space: the rerun completes what was left
+    assert (counts["new"], counts["unchanged"]) == (1, 1) and len(records.load(directory)) == 2
+
+
+def test_a_failed_write_keeps_the_old_file_and_names_the_cause_and_the_fix(tmp_path):
+    import errno
+
+    from xmc_repro.errors import StorageError
+    from xmc_repro.report import atomic
+
+    path = tmp_path / "runs.csv"
+    path.write_text("old\n")
+    with pytest.raises(StorageError) as raised:
+        with atomic.replacing(path, "`records add`") as f:
+            f.write("new, half of it")
+            raise OSError(errno.ENOSPC, "No space left on device")
+    assert str(raised.value) == (f"{path}: could not be written (No space left on device); free space and rerun "
+                                 "`records add` (the old file is kept)")
+    # a failure that is no OSError (a bug mid-file, Ctrl+C) leaves the old file as well
+    with pytest.raises(ValueError, match="fields not in fieldnames"):
+        write_runs_csv([{"not a column": 1}], path)
+    assert path.read_text() == "old\n" and [p.name for p in tmp_path.iterdir()] == ["runs.csv"]
+    atomic.write_text(tmp_path / "new" / "claims.md", "✓\n", "x")
+    assert (tmp_path / "new" / "claims.md").read_bytes() == "✓\n".encode()
+
+
+def test_the_claims_stage_on_a_full_disk_is_one_line_and_keeps_the_old_file(tmp_path):
+    runs_csv = records.PROJECT_ROOT / "results" / "runs.csv"
+    out = tmp_path / "claims.md"
+    out.write_text("old claims\n")
+    result = _report(["claims", "--runs", str(runs_csv), "--out", str(out)], tmp_path, size=1000)
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert result.stderr.strip() == (f"error: {out}: could not be written (File too large); fix that and rerun the "
+                                     "claims stage (`dvc repro`) (the old file is kept)")
+    assert out.read_text() == "old claims\n" and [p.name for p in tmp_path.iterdir()] == ["claims.md"]

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from xmc_repro.report.atomic import write_text
 from xmc_repro.report.identity import DEFAULT_SETTINGS_TABLES, SMOKE_PREFIX
 
 REAL_DATA = ("Bibtex", "Delicious")
@@ -369,6 +370,5 @@ def write_claims(runs: list[dict], path: Path) -> dict[str, str]:
     from xmc_repro.report.standins import section
 
     claims = evaluate(runs)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(markdown(claims) + "\n" + section(runs))
+    write_text(path, markdown(claims) + "\n" + section(runs), "the claims stage (`dvc repro`)")
     return {c.key: c.verdict for c in claims}

@@ -14,6 +14,7 @@ import statistics
 from pathlib import Path
 
 from xmc_repro.report import records as run_records
+from xmc_repro.report.atomic import replacing
 from xmc_repro.report.csv_file import read_rows
 from xmc_repro.report.identity import CONFIG_COLUMNS, config_key, configuration, split_by_settings
 from xmc_repro.report.state import model_state_bytes, param
@@ -109,8 +110,7 @@ def _number(value: float) -> str:
 
 
 def write_runs_csv(rows: list[dict], path: Path) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "w", newline="") as f:
+    with replacing(path, "the export (`dvc repro`)", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=COLUMNS, lineterminator="\n")
         writer.writeheader()
         writer.writerows(rows)

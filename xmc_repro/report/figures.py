@@ -19,8 +19,9 @@ import re
 from pathlib import Path
 
 from xmc_repro.report import paper
+from xmc_repro.report.atomic import replacing, write_text
 from xmc_repro.report.identity import PAPER_DATASETS, at_defaults, describe, paper_dataset
-from xmc_repro.report.render import dense_reference
+from xmc_repro.report.render import RERUN, dense_reference
 
 RELATIVE_COLUMNS = ("setup", "memory_vs_dense", "p1_vs_dense", "data", "card", "memory_basis")
 PAPER_BASIS = "peak GPU memory (V100)"
@@ -106,7 +107,7 @@ def _fmt(value: float) -> str:
 
 
 def _write(points: list[dict], path: Path) -> None:
-    with open(path, "w", newline="") as f:
+    with replacing(path, RERUN, newline="") as f:
         writer = csv.DictWriter(f, fieldnames=RELATIVE_COLUMNS, lineterminator="\n")
         writer.writeheader()
         writer.writerows(points)
@@ -123,7 +124,8 @@ def _pyplot():
 
 def _save(fig, path: Path) -> None:
     fig.tight_layout()
-    fig.savefig(path, dpi=110, metadata={"Software": None})  # no version string: same bytes on every clone
+    with replacing(path, RERUN, binary=True) as f:  # no version string: same bytes on every clone
+        fig.savefig(f, format=path.suffix.lstrip("."), dpi=110, metadata={"Software": None})
 
 
 def _scatter(ax, points: list[dict], x: str, y: str, **style) -> None:
@@ -187,8 +189,7 @@ def _title(name: str) -> str:
 
 def render_figures(runs: list[dict], published: list[dict], out_dir: Path) -> list[str]:
     """Write the figures, their data and figures/README.md; returns the figures' file names."""
-    data_dir = out_dir / "data"
-    data_dir.mkdir(parents=True, exist_ok=True)
+    data_dir = out_dir / "data"  # made by the first write into it (atomic.replacing)
     for stale in [*out_dir.glob("*.png"), *data_dir.glob("*.csv")]:  # figures of data no longer in the records
         stale.unlink()
     theirs, ours = paper_points(published), relative_points(runs)
@@ -209,5 +210,5 @@ def render_figures(runs: list[dict], published: list[dict], out_dir: Path) -> li
              f"({OUR_BASIS}, exact from the config), or peak GPU memory where a panel says so.", ""]  # fmt: skip
     for heading, file in sections:
         lines += [f"## {heading}", "", f"![{heading}]({file})", ""]
-    (out_dir / "README.md").write_text("\n".join(lines))
+    write_text(out_dir / "README.md", "\n".join(lines), RERUN)
     return names

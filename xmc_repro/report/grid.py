@@ -13,6 +13,7 @@ import functools
 import itertools
 from pathlib import Path
 
+from xmc_repro.report.atomic import replacing
 from xmc_repro.report.csv_file import read_rows
 from xmc_repro.report.identity import CONFIG_COLUMNS, config_key, configuration
 from xmc_repro.resources import resource_dir
@@ -82,8 +83,7 @@ def expected_configurations(table: str, scale: str) -> tuple[dict[str, str], ...
 def write_grid(path: Path, tables=TABLES, scales=SCALES) -> int:
     """Every preset's configurations, in sweep order, as CSV; returns their number."""
     rows = [config for table in tables for scale in scales for config in expected_configurations(table, scale)]
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "w", newline="") as f:
+    with replacing(path, "`python -m xmc_repro.report grid`", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=CONFIG_COLUMNS, lineterminator="\n")
         writer.writeheader()
         writer.writerows(rows)

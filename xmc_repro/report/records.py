@@ -14,6 +14,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from xmc_repro.errors import DataError
+from xmc_repro.report.atomic import write_text
 
 PROJECT_ROOT = Path(__file__).resolve().parents[2]
 RECORDS_DIR = Path("results") / "records"
@@ -59,8 +60,8 @@ def dump(record: dict) -> str:
 
 
 def save(record: dict, directory: Path = RECORDS_DIR) -> str:
-    """Write `<run_id>.json`; returns 'new', 'updated' or 'unchanged'."""
-    directory.mkdir(parents=True, exist_ok=True)
+    """Write `<run_id>.json` (whole or not at all: a full disk leaves the old record or none); returns 'new',
+    'updated' or 'unchanged'."""
     path = directory / f"{record['run_id']}.json"
     text = dump(record)
     if not path.exists():
@@ -69,7 +70,7 @@ def save(record: dict, directory: Path = RECORDS_DIR) -> str:
         return "unchanged"
     else:
         state = "updated"
-    path.write_text(text)
+    write_text(path, text, "`records add`")
     return state
 
 
@@ -77,16 +78,17 @@ def load(directory: Path = RECORDS_DIR) -> list[dict]:
     """Every record in `directory`, ordered by run id (a missing directory holds none)."""
     records = []
     for path in sorted(directory.glob("*.json")):
+        remedy = f"rerun `records add` with the store that holds the run, or `git checkout -- {path}`"
         try:
             record = json.loads(path.read_text(encoding="utf-8"))
         except (json.JSONDecodeError, UnicodeDecodeError) as error:
-            raise DataError(f"{path}: not valid JSON ({error}); restore it with `git checkout -- {path}`") from None
+            raise DataError(f"{path}: not valid JSON ({error}); {remedy}") from None
         missing = [key for key in REQUIRED if key not in record] if isinstance(record, dict) else list(REQUIRED)
         if missing:
             raise DataError(f"{path}: not a run record (no {', '.join(missing)}); move it out of {directory}")
         problem = _malformed(record)
         if problem:
-            raise DataError(f"{path}: {problem}; restore it with `git checkout -- {path}`")
+            raise DataError(f"{path}: {problem}; {remedy}")
         if path.stem != record["run_id"]:
             raise DataError(f"{path}: holds run {record['run_id']}; rename it to {record['run_id']}.json")
         records.append(record)

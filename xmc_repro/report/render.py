@@ -18,6 +18,7 @@ import csv
 from pathlib import Path
 
 from xmc_repro.report import paper
+from xmc_repro.report.atomic import replacing, write_text
 from xmc_repro.report.grid import SCALES, TABLES
 from xmc_repro.report.identity import PAPER_DATASETS, config_key, describe, paper_key
 
@@ -26,6 +27,7 @@ COMPARED = ("test_p1", "test_p3", "test_p5", "train_p1", "train_p3", "train_p5",
             "time_per_epoch_s")  # fmt: skip
 IDENTITY = ("dataset", "features", "setup", "connectivity", "intermediate", "loss")
 MISSING = "missing"
+RERUN = "the render stage (`dvc repro`)"
 COLUMNS = (
     "table", "scale", *IDENTITY, "status", "published_source", "published_kind",
     *(f"{side}_{m}" for m in COMPARED for side in ("published", "ours")),
@@ -356,7 +358,7 @@ def latex(table: str, blocks: list[tuple[str, list[dict]]]) -> str:
 
 
 def write_csv(rows: list[dict], path: Path) -> None:
-    with open(path, "w", newline="") as f:
+    with replacing(path, RERUN, newline="") as f:
         writer = csv.DictWriter(f, fieldnames=COLUMNS, lineterminator="\n")
         writer.writeheader()
         writer.writerows(rows)
@@ -365,15 +367,14 @@ def write_csv(rows: list[dict], path: Path) -> None:
 def render_tables(runs: list[dict], published: list[dict], out_dir: Path, expected,
                   data_missing: dict[str, str] | None = None) -> dict[str, list]:  # fmt: skip
     """Write table{1..5}.{md,tex,csv}; `expected(table, scale)` gives the preset's grid (grid.read_grid)."""
-    out_dir.mkdir(parents=True, exist_ok=True)
-    rendered = {}
+    rendered = {}  # out_dir is made by the first write into it (atomic.replacing)
     for table in TABLES:
         blocks = []
         for scale in scales_to_show(runs, table):
             blocks.append((scale, table_rows(table, scale, runs, expected(table, scale), published, data_missing)))
         rows = [r for _, block in blocks for r in block]
-        (out_dir / f"{table}.md").write_text(markdown(table, blocks))
-        (out_dir / f"{table}.tex").write_text(latex(table, blocks))
+        write_text(out_dir / f"{table}.md", markdown(table, blocks), RERUN)
+        write_text(out_dir / f"{table}.tex", latex(table, blocks), RERUN)
         write_csv(rows, out_dir / f"{table}.csv")
         rendered[table] = rows
     return rendered

@@ -17,6 +17,7 @@ import sys
 from pathlib import Path
 
 from xmc_repro.errors import ConfigError, DataError
+from xmc_repro.report.atomic import write_text
 from xmc_repro.report.grid import TABLES, conf_dir, job_overrides
 from xmc_repro.report.records import PROJECT_ROOT, tracking_uri
 
@@ -124,8 +125,7 @@ def run_smoke(tables=TABLES, uri: str | None = None, data_missing: Path = DATA_M
 
 
 def write_data_missing(path: Path, missing: dict[str, str]) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(missing, sort_keys=True, indent=1) + "\n")
+    write_text(path, json.dumps(missing, sort_keys=True, indent=1) + "\n", "`python -m xmc_repro.report smoke`")
 
 
 def read_data_missing(path: Path) -> dict[str, str]:
