@@ -273,9 +273,9 @@ def test_records_add_copies_finished_table_runs_of_a_store_once_and_round_trips(
     directory = tmp_path / "records"
     left_out = {"FAILED": 1, "untagged": 1}
     assert records.add_from_store(uri, directory) == {"new": 1, "updated": 0, "unchanged": 0, "skipped": left_out,
-                                                      "uncommitted": 1}
+                                                      "uncommitted": 1, "unusable": []}
     assert records.add_from_store(uri, directory) == {"new": 0, "updated": 0, "unchanged": 1, "skipped": left_out,
-                                                      "uncommitted": 1}
+                                                      "uncommitted": 1, "unusable": []}
     from xmc_repro.report.__main__ import main as report_main
 
     assert report_main(["records", "add", uri, "--dir", str(directory)]) == 0
@@ -999,3 +999,76 @@ def test_the_claims_stage_on_a_full_disk_is_one_line_and_keeps_the_old_file(tmp_
     assert result.stderr.strip() == (f"error: {out}: could not be written (File too large); fix that and rerun the "
                                      "claims stage (`dvc repro`) (the old file is kept)")
     assert out.read_text() == "old claims\n" and [p.name for p in tmp_path.iterdir()] == ["claims.md"]
+
+
+# ---------------------------------------------------------------------------------------------------- checking records
+
+
+def _table_record(**changes) -> dict:
+    record = {"run_id": "r1", "run_name": "", "status": "FINISHED", "start_time": "", "end_time": "",
+              "params": params_of(BIBTEX, "dense"), "metrics": metrics_of(40.0),
+              "tags": {"table": "table1", "scale": "smoke", "device": CPU}, "source": "mlflow"}  # fmt: skip
+    return {**record, **changes}
+
+
+@pytest.mark.parametrize("edit, message", [
+    (lambda r: r.update(params={}), "no params: a finished table run has its config's settings"),
+    (lambda r: r["params"].pop("model/head"), "param model/head is missing: it names the run's configuration"),
+    (lambda r: r["params"].update({"dataset/name": None}), "param dataset/name is null: it names the run's "
+                                                           "configuration"),
+    (lambda r: r["tags"].update(table=4), 'tag table is 4, not a string (write it as "4")'),
+    (lambda r: r["metrics"].update({"test/p_at_3": math.nan}), "metric test/p_at_3 is nan, not a finite number"),
+    (lambda r: r.update(metrics={}), "no metrics: a finished table run has its test scores"),
+    (lambda r: r.update(status="finished"), "status is 'finished', not one of RUNNING, SCHEDULED, FINISHED, FAILED, "
+                                            "KILLED"),
+])  # fmt: skip
+def test_a_table_record_that_would_export_blank_or_wrong_is_refused_in_one_line(tmp_path, capsys, edit, message):
+    """Each of these exported with exit status 0: blank configuration columns, a table named "4", "nan" in runs.csv,
+    or an empty row that replaced the good run as the latest."""
+    from xmc_repro.report.__main__ import main
+
+    store = tmp_path / "records"
+    records.save(_table_record(run_id="good", start_time="2026-01-01T00:00:00"), store)
+    record = _table_record(start_time="2026-01-02T00:00:00")
+    edit(record)
+    store.joinpath("r1.json").write_text(json.dumps(record))
+    assert main(["export", "--records", str(store), "--out", str(tmp_path / "runs.csv")]) == 2
+    assert capsys.readouterr().err == (f"error: {store / 'r1.json'}: {message}; rerun `records add` with the store "
+                                       f"that holds the run, or `git checkout -- {store / 'r1.json'}`\n")
+    assert not (tmp_path / "runs.csv").exists()
+
+
+def test_records_the_export_does_not_count_need_no_scores_and_dotted_keys_still_read(tmp_path):
+    store = tmp_path / "records"
+    records.save(_table_record(run_id="failed", status="FAILED", params={}, metrics={}), store)
+    records.save(_table_record(run_id="untagged", params={}, metrics={}, tags={}), store)
+    dotted = {key.replace("/", "."): value for key, value in params_of(BIBTEX, "dense").items()}
+    records.save(_table_record(run_id="dotted", params=dotted), store)
+    assert [r["run_id"] for r in records.load(store)] == ["dotted", "failed", "untagged"]
+    (row,) = summarize(records.load(store))
+    assert (row["dataset"], row["setup"], row["run_ids"]) == ("Bibtex", "dense", "dotted")
+
+
+def test_records_add_leaves_a_run_with_a_nan_metric_in_its_store_and_names_it(tmp_path, empty_store, capsys):
+    from mlflow.entities import Metric, Param, RunTag
+    from mlflow.tracking import MlflowClient
+
+    from xmc_repro.report.__main__ import main
+
+    shutil.copy(empty_store, tmp_path / "gpu.db")
+    uri = f"sqlite:///{tmp_path / 'gpu.db'}"
+    client = MlflowClient(uri)
+    experiment = client.get_experiment_by_name("xmc_repro").experiment_id
+    for p1 in (50.5, math.nan):
+        run_id = client.create_run(experiment).info.run_id
+        client.log_batch(run_id, metrics=[Metric("test/p_at_1", p1, 0, 0)],
+                         params=[Param(k, v) for k, v in params_of(BIBTEX, "dense").items()],
+                         tags=[RunTag("table", "table1")])  # fmt: skip
+        client.set_terminated(run_id, "FINISHED")
+    directory = tmp_path / "records"
+    directory.mkdir()
+    assert main(["records", "add", uri, "--dir", str(directory)]) == 0
+    assert capsys.readouterr().out.strip().endswith(
+        f"1 new, 0 updated, 0 unchanged records from {uri}; left out 1 runs: 1 unusable as records (run {run_id}: "
+        "metric test/p_at_1 is nan, not a finite number)")
+    assert len(records.load(directory)) == 1

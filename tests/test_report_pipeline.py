@@ -61,7 +61,8 @@ def test_records_hold_what_mlflow_holds_and_adding_again_changes_nothing(store):
         assert record["status"] == "FINISHED" and record["end_time"]
     counts = records.add_from_store(uri, tmp / "records")
     dirty = sum(run.data.tags["git_commit"].endswith("-dirty") for run in runs)  # run in a checkout with changes
-    assert counts == {"new": 0, "updated": 0, "unchanged": 2, "skipped": {"FAILED": 1}, "uncommitted": dirty}
+    assert counts == {"new": 0, "updated": 0, "unchanged": 2, "skipped": {"FAILED": 1}, "uncommitted": dirty,
+                      "unusable": []}
 
 
 def test_export_of_pipeline_runs_matches_mlflow(store):

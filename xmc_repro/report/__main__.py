@@ -79,7 +79,7 @@ def run(args) -> None:
                             "--dir PATH/results/records")
         counts = add_from_store(args.tracking_uri, args.dir)
         print(f"{args.dir}: {counts['new']} new, {counts['updated']} updated, {counts['unchanged']} unchanged "
-              f"records from {tracking_uri(args.tracking_uri)}{skipped_line(counts['skipped'])}"
+              f"records from {tracking_uri(args.tracking_uri)}{skipped_line(counts['skipped'], counts['unusable'])}"
               f"{uncommitted_line(counts['uncommitted'])}")  # fmt: skip
     elif args.command == "export":
         from xmc_repro.errors import DataError

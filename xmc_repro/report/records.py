@@ -10,6 +10,7 @@ named by the run id, so adding a store twice changes nothing).
 from __future__ import annotations
 
 import json
+import math
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -86,7 +87,7 @@ def load(directory: Path = RECORDS_DIR) -> list[dict]:
         missing = [key for key in REQUIRED if key not in record] if isinstance(record, dict) else list(REQUIRED)
         if missing:
             raise DataError(f"{path}: not a run record (no {', '.join(missing)}); move it out of {directory}")
-        problem = _malformed(record)
+        problem = malformed(record)
         if problem:
             raise DataError(f"{path}: {problem}; {remedy}")
         if path.stem != record["run_id"]:
@@ -95,16 +96,45 @@ def load(directory: Path = RECORDS_DIR) -> list[dict]:
     return records
 
 
-def _malformed(record: dict) -> str | None:
-    """What is wrong with a record's fields, as `record_of_run` writes them; None when nothing is."""
+STATUSES = ("RUNNING", "SCHEDULED", "FINISHED", "FAILED", "KILLED")  # MLflow's RunStatus
+# Params a run the export counts must name: its configuration's columns (`identity.configuration`) would be blank.
+NEEDED_PARAMS = ("model/head", "dataset/name", "dataset/features", "loss/name")
+
+
+def malformed(record: dict) -> str | None:
+    """What is wrong with a record's fields, as `record_of_run` writes them; None when nothing is. A record the
+    export counts (FINISHED, with a `table` tag) must also have metrics and the params that name its configuration."""
+    from xmc_repro.report.state import param
+
     for key in ("params", "metrics", "tags"):
         if not isinstance(record.get(key, {}), dict):
             return f'"{key}" must be an object of names and values'
-    bad = [name for name, value in record.get("metrics", {}).items()
-           if isinstance(value, bool) or not isinstance(value, (int, float))]
-    if bad:
-        return f"metric {bad[0]} is {record['metrics'][bad[0]]!r}, not a number"
+    if record.get("status") not in STATUSES:
+        return f"status is {record.get('status')!r}, not one of {', '.join(STATUSES)}"
+    for name, value in record.get("metrics", {}).items():
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            return f"metric {name} is {value!r}, not a number"
+        if not math.isfinite(value):
+            return f"metric {name} is {value}, not a finite number"
+    for name, value in record.get("tags", {}).items():
+        if not isinstance(value, str):
+            quoted = f' (write it as "{value}")' if isinstance(value, (int, float)) else ""
+            return f"tag {name} is {json.dumps(value)}, not a string{quoted}"
+    if record["status"] != "FINISHED" or not record["tags"].get("table"):
+        return None  # never a result (export.summarize)
+    if not record["params"]:
+        return "no params: a finished table run has its config's settings"
+    absent = [key for key in NEEDED_PARAMS if param(record["params"], key) is None]
+    if absent:
+        state = "null" if _has(record["params"], absent[0]) else "missing"
+        return f"param {absent[0]} is {state}: it names the run's configuration"
+    if not record["metrics"]:
+        return "no metrics: a finished table run has its test scores"
     return None
+
+
+def _has(params: dict, key: str) -> bool:
+    return key in params or key.replace("/", ".") in params
 
 
 def tracking_uri(uri: str | None = None) -> str:
@@ -140,7 +170,8 @@ def table_runs(uri: str) -> tuple[list, dict[str, int]]:
 
 def add_from_store(uri: str | None = None, directory: Path = RECORDS_DIR) -> dict:
     """Copy the FINISHED table runs of the store at `uri` into records. Returns the counts of new, updated and
-    unchanged records, under `skipped` those of the runs left out (see `table_runs`), and under `uncommitted` how
+    unchanged records, under `skipped` those of the runs left out (see `table_runs`; `unusable`: runs whose record
+    `malformed` refuses, e.g. a NaN metric, each with its problem under `unusable`), and under `uncommitted` how
     many copied runs ran code that was no commit (`git_commit` ending in "-dirty")."""
     uri = tracking_uri(uri)
     _check_store(uri)
@@ -151,10 +182,19 @@ def add_from_store(uri: str | None = None, directory: Path = RECORDS_DIR) -> dic
         raise DataError(f"{uri}: cannot read runs from this MLflow store ({reason}); pass the store that holds them, "
                         "e.g. sqlite:///mlruns.db or http://host:5000") from None
     counts = {"new": 0, "updated": 0, "unchanged": 0}
+    copied, unusable = [], []
     for run in runs:
-        counts[save(record_of_run(run), directory)] += 1
-    uncommitted = sum(run.data.tags.get("git_commit", "").endswith("-dirty") for run in runs)
-    return {**counts, "skipped": skipped, "uncommitted": uncommitted}
+        record = record_of_run(run)
+        problem = malformed(record)
+        if problem:  # e.g. a NaN metric: the export would refuse the record, so the run stays in its store only
+            unusable.append(f"run {run.info.run_id}: {problem}")
+            continue
+        counts[save(record, directory)] += 1
+        copied.append(run)
+    uncommitted = sum(run.data.tags.get("git_commit", "").endswith("-dirty") for run in copied)
+    if unusable:
+        skipped["unusable"] = len(unusable)
+    return {**counts, "skipped": skipped, "uncommitted": uncommitted, "unusable": unusable}
 
 
 def uncommitted_line(uncommitted: int) -> str:
@@ -165,11 +205,14 @@ def uncommitted_line(uncommitted: int) -> str:
             "them; rerun them from a clean checkout before citing their numbers")
 
 
-def skipped_line(skipped: dict[str, int]) -> str:
-    """'; left out 2 runs: 1 FAILED, 1 without a `table` tag' ('' when none were)."""
+def skipped_line(skipped: dict[str, int], unusable: list[str] = ()) -> str:
+    """'; left out 2 runs: 1 FAILED, 1 without a `table` tag' ('' when none were); with the first of the `unusable`
+    runs' problems (see `add_from_store`)."""
     if not skipped:
         return ""
-    parts = [f"{n} {'without a `table` tag' if why == 'untagged' else why}" for why, n in sorted(skipped.items())]
+    names = {"untagged": "without a `table` tag", "unusable": "unusable as records"}
+    names["unusable"] += f" ({unusable[0]}{'; ...' if len(unusable) > 1 else ''})" if unusable else ""
+    parts = [f"{n} {names.get(why, why)}" for why, n in sorted(skipped.items())]
     return f"; left out {sum(skipped.values())} runs: {', '.join(parts)}"
 
 
