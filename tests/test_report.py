@@ -1072,3 +1072,22 @@ def test_records_add_leaves_a_run_with_a_nan_metric_in_its_store_and_names_it(tm
         f"1 new, 0 updated, 0 unchanged records from {uri}; left out 1 runs: 1 unusable as records (run {run_id}: "
         "metric test/p_at_1 is nan, not a finite number)")
     assert len(records.load(directory)) == 1
+
+
+def test_hidden_files_are_no_records_and_a_duplicate_is_told_to_go(tmp_path):
+    """An editor's lock `.#<id>.json` (a dangling symlink) ended in a FileNotFoundError traceback; a copy
+    `<id> (copy).json` was told to be renamed to the name its original has."""
+    store = tmp_path / "records"
+    records.save(_table_record(), store)
+    (store / ".#r1.json").symlink_to("user@host.1234:1700000000")
+    (store / ".r1.json.99.tmp").write_text("{")
+    assert [r["run_id"] for r in records.load(store)] == ["r1"]
+    shutil.copy(store / "r1.json", store / "r1 (copy).json")
+    with pytest.raises(records.DataError, match=re.escape(
+            f"{store / 'r1 (copy).json'}: a second copy of run r1, whose record is {store / 'r1.json'}; remove this "
+            "copy")):  # fmt: skip
+        records.load(store)
+    (store / "r1.json").unlink()
+    with pytest.raises(records.DataError, match=re.escape(f"{store / 'r1 (copy).json'}: holds run r1; rename it to "
+                                                          "r1.json")):  # fmt: skip
+        records.load(store)

@@ -76,9 +76,10 @@ def save(record: dict, directory: Path = RECORDS_DIR) -> str:
 
 
 def load(directory: Path = RECORDS_DIR) -> list[dict]:
-    """Every record in `directory`, ordered by run id (a missing directory holds none)."""
+    """Every record in `directory`, ordered by run id (a missing directory holds none). Hidden files (an editor's
+    `.#<id>.json` lock, a temporary file being written) are not records."""
     records = []
-    for path in sorted(directory.glob("*.json")):
+    for path in sorted(p for p in directory.glob("*.json") if not p.name.startswith(".")):
         remedy = f"rerun `records add` with the store that holds the run, or `git checkout -- {path}`"
         try:
             record = json.loads(path.read_text(encoding="utf-8"))
@@ -91,7 +92,11 @@ def load(directory: Path = RECORDS_DIR) -> list[dict]:
         if problem:
             raise DataError(f"{path}: {problem}; {remedy}")
         if path.stem != record["run_id"]:
-            raise DataError(f"{path}: holds run {record['run_id']}; rename it to {record['run_id']}.json")
+            name = f"{record['run_id']}.json"
+            if (directory / name).exists():
+                raise DataError(f"{path}: a second copy of run {record['run_id']}, whose record is {directory / name}; "
+                                "remove this copy")
+            raise DataError(f"{path}: holds run {record['run_id']}; rename it to {name}")
         records.append(record)
     return records
 
