@@ -1091,3 +1091,27 @@ def test_hidden_files_are_no_records_and_a_duplicate_is_told_to_go(tmp_path):
     with pytest.raises(records.DataError, match=re.escape(f"{store / 'r1 (copy).json'}: holds run r1; rename it to "
                                                           "r1.json")):  # fmt: skip
         records.load(store)
+
+
+def test_dvc_repro_with_a_broken_record_keeps_runs_csv(tmp_path):
+    """DVC deletes a stage's outputs before running it: a broken record cost the committed runs.csv."""
+    import subprocess
+
+    root = records.PROJECT_ROOT
+    if shutil.which("dvc") is None:
+        pytest.skip("no dvc")
+    copy = tmp_path / "project"
+    copy.mkdir()
+    for name in ("dvc.yaml", "dvc.lock", ".dvcignore"):
+        shutil.copy(root / name, copy / name)
+    shutil.copytree(root / "results", copy / "results")
+    shutil.copytree(root / "xmc_repro", copy / "xmc_repro", ignore=shutil.ignore_patterns("__pycache__"))
+    (copy / "conf").symlink_to(root / "conf")  # read by the report's grid module, no dependency of the stage
+    env = {**__import__("os").environ, "PYTHONPATH": str(copy), "DVC_NO_ANALYTICS": "1"}
+    subprocess.run(["dvc", "init", "--no-scm", "-q"], cwd=copy, env=env, check=True, timeout=120)
+    broken = sorted((copy / "results" / "records").glob("*.json"))[0]
+    broken.write_text(broken.read_text()[:100])
+    result = subprocess.run(["dvc", "repro", "export"], cwd=copy, env=env, capture_output=True, text=True,
+                            timeout=300)  # fmt: skip
+    assert result.returncode != 0 and f"{broken.relative_to(copy)}: not valid JSON" in result.stdout + result.stderr
+    assert (copy / "results" / "runs.csv").read_bytes() == (root / "results" / "runs.csv").read_bytes()
