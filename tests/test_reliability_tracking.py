@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sqlite3
+import time
 
 import pytest
 
@@ -245,3 +246,40 @@ def test_a_process_killed_while_creating_the_store_leaves_it_usable(tmp_path):
     tracker.finish("FINISHED")
     assert [r.info.status for r in runs(tmp_path)] == ["FINISHED"]
     assert not (tmp_path / "mlruns.db.init.tmp").exists()
+
+
+def test_store_errors_are_cut_to_the_databases_own_words():
+    """SQLAlchemy's text carries the statement and all its parameters (about 1,500 characters in a run's line)."""
+    import sqlalchemy.exc
+    from mlflow.exceptions import MlflowException
+
+    driver = sqlite3.OperationalError("database or disk is full")
+    statement = sqlalchemy.exc.OperationalError("INSERT INTO metrics (key, value) VALUES (?, ?)", [("a", 1.0)] * 50,
+                                                driver)  # fmt: skip
+    try:
+        raise MlflowException(statement, error_code="TEMPORARILY_UNAVAILABLE") from statement
+    except MlflowException as wrapped:
+        assert tracking.short_error(wrapped) == "OperationalError: database or disk is full"
+    assert tracking.short_error(statement) == "OperationalError: database or disk is full"
+    assert tracking.short_error(ValueError("bad\n value")) == "ValueError: bad value"
+    served = MlflowException("(sqlite3.OperationalError) database is locked\n[SQL: SELECT runs.run_uuid ...]")
+    assert tracking.short_error(served) == "MlflowException: (sqlite3.OperationalError) database is locked"
+
+
+def test_mlflows_store_tracebacks_are_silenced_for_the_whole_process():
+    """MLflow logged each failed store call with its SQL and traceback, also those a retry then rode out: 68 lines
+    for one lock waited out. The tracker's own quieting while it opens a run lowered the level back meanwhile."""
+    import logging
+
+    from xmc_repro.console import quiet
+
+    store_log = logging.getLogger("mlflow.store.db.utils")
+    before = store_log.level
+    try:
+        quiet()
+        assert not store_log.isEnabledFor(logging.ERROR)
+        with tracking._quiet("mlflow.store.db.utils"):
+            assert not store_log.isEnabledFor(logging.ERROR)
+        assert not store_log.isEnabledFor(logging.ERROR)
+    finally:
+        store_log.setLevel(before)

@@ -1,7 +1,8 @@
 """What a run prints while it trains: a progress bar that fits 80 columns, or one line per epoch.
 
 `quiet()` keeps Lightning's messages to one line each and drops the lines a user can do nothing about: its
-advertising tips and warnings about its own logging cadence or deprecations inside Lightning.
+advertising tips and warnings about its own logging cadence or deprecations inside Lightning, and MLflow's
+tracebacks of store calls that are retried.
 """
 
 from __future__ import annotations
@@ -53,6 +54,9 @@ def quiet() -> None:
     for pattern in UNACTIONABLE:
         warnings.filterwarnings("ignore", message=pattern)
     warnings.formatwarning = _one_line
+    # MLflow logs every failed store call with SQL and traceback (tens of lines), also those a retry then rides out
+    # (`tracking.with_retries`); a call that fails for good ends the run with our own line, which names the cause.
+    logging.getLogger("mlflow.store.db.utils").setLevel(logging.CRITICAL)
 
 
 _formatwarning = warnings.formatwarning  # as Python, or Lightning (imported above), formats warnings

@@ -76,6 +76,19 @@ def is_contention(error: BaseException) -> bool:
     return any(marker in text for marker in _CONTENTION)
 
 
+def short_error(error: BaseException) -> str:
+    """`Type: text` of an error in one line; for a database error the driver's own words (`OperationalError: database
+    is locked`), not SQLAlchemy's statement and parameters (over a thousand characters)."""
+    cause = error
+    while cause is not None:
+        if isinstance(getattr(cause, "orig", None), BaseException):  # SQLAlchemy's DBAPIError, maybe wrapped by MLflow
+            error = cause.orig
+            break
+        cause = cause.__cause__
+    text = " ".join(str(error).split("[SQL:")[0].split())  # a tracking server's text may still carry the statement
+    return f"{type(error).__name__}: {text}"[:300]
+
+
 def with_retries(fn, *args, **kwargs):
     """fn(*args, **kwargs), retried with exponential backoff and jitter while the store is locked."""
     delay, deadline = 0.05, time.monotonic() + RETRY_SECONDS
@@ -91,10 +104,10 @@ def with_retries(fn, *args, **kwargs):
 
 @contextmanager
 def _quiet(*loggers: str):
-    """Only warnings and errors from these loggers meanwhile."""
+    """Only warnings and errors from these loggers meanwhile (or less, where a logger was quieter already)."""
     saved = [(log, log.level) for log in map(logging.getLogger, loggers)]
-    for log, _ in saved:
-        log.setLevel(logging.WARNING)
+    for log, level in saved:
+        log.setLevel(max(level, logging.WARNING))
     try:
         yield
     finally:

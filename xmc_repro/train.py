@@ -32,7 +32,7 @@ from xmc_repro.errors import ConfigError, StorageError, UserError
 from xmc_repro.metrics import inverse_propensity
 from xmc_repro.model import NonFiniteLossError, XMCClassifier, instantiate_with
 from xmc_repro.resume import CHECKPOINT_ROOT, note_started, prepare
-from xmc_repro.tracking import RunTracker, device_name, git_commit
+from xmc_repro.tracking import RunTracker, device_name, git_commit, short_error
 from xmc_repro.validation import BEFORE_THE_SETTING
 from xmc_repro.validation import validate as validate_values
 
@@ -69,7 +69,7 @@ def failure_message(error: BaseException, run_id: str | None = None, last_checkp
     if isinstance(error, UserError):
         text = str(error).replace("resume=<run id>", f"resume={run_id or '<run id>'}")
     elif disk_full(error):
-        text = (f"no space left on the device ({type(error).__name__}: {error}); free space, then continue the run "
+        text = (f"no space left on the device ({short_error(error)}); free space, then continue the run "
                 f"with resume={run_id or '<run id>'}")
     elif isinstance(error, NonFiniteLossError):
         text = f"{error}; " + (f"the last good checkpoint is kept: {last_checkpoint}" if kept else "no checkpoint yet")
@@ -198,9 +198,8 @@ def open_run(cfg: DictConfig, run_id: str | None) -> RunTracker:
     except UserError:
         raise
     except Exception as error:
-        reason = " ".join(str(error).split())[:300]
         raise ConfigError(
-            f"logger.tracking_uri={uri}: cannot use this MLflow store ({type(error).__name__}: {reason}); "
+            f"logger.tracking_uri={uri}: cannot use this MLflow store ({short_error(error)}); "
             "use sqlite:///mlruns.db, an http://host:port tracking server, or set MLFLOW_TRACKING_URI"
         ) from error
 
@@ -322,9 +321,8 @@ def _run_and_record(cfg: DictConfig, resume_from: Path | None, run_id: str | Non
         try:
             tracker.finish("FAILED", message, tags)
         except Exception as store_error:  # e.g. the store's disk is full too: say so in the same line
-            reason = " ".join(f"{type(store_error).__name__}: {store_error}".split())[:200]
-            message += (f"; the MLflow run could not be marked FAILED ({reason}) and shows RUNNING: once the store "
-                        f"is writable, resume={tracker.run_id} continues or closes it")
+            message += (f"; the MLflow run could not be marked FAILED ({short_error(store_error)[:200]}) and shows "
+                        f"RUNNING: once the store is writable, resume={tracker.run_id} continues or closes it")
         if disk_full(error) and not isinstance(error, UserError):  # one line, like other storage errors
             error = StorageError(message)
             error.run_failure = message
