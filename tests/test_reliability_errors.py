@@ -207,3 +207,51 @@ def test_a_bug_in_a_run_shows_its_traceback_then_what_became_of_the_run(tmp_path
     assert stderr_lines(result.stderr)[-1] == "error: RuntimeError: a bug", result.stderr[-2000:]
     (run,) = runs(tmp_path)
     assert run.info.status == "FAILED" and run.data.tags["error"] == "RuntimeError: a bug"
+
+
+def _store_error(text: str):
+    """A store call's failure as MLflow raises it: SQLAlchemy's error (statement, parameters) under MlflowException."""
+    import sqlite3
+
+    import sqlalchemy.exc
+    from mlflow.exceptions import MlflowException
+
+    statement = sqlalchemy.exc.OperationalError("INSERT INTO metrics (key, value, run_uuid) VALUES (?, ?, ?)",
+                                                [("val/p_at_1", 8.3, "0" * 32)] * 40, sqlite3.OperationalError(text))
+    try:
+        raise MlflowException(statement, error_code="TEMPORARILY_UNAVAILABLE") from statement
+    except MlflowException as error:
+        return error
+
+
+def _open_run_fails_with(monkeypatch, tmp_path, error, run_id=None):
+    """train.open_run's one line when the store raises `error` as the run opens."""
+    from hydra import compose, initialize_config_dir
+
+    from test_reliability_common import ROOT
+    from xmc_repro import train
+    from xmc_repro.errors import StorageError
+
+    def store_fails(*args, **kwargs):
+        raise error
+
+    monkeypatch.setattr(train, "RunTracker", store_fails)
+    with initialize_config_dir(str(ROOT / "conf"), version_base="1.3"):
+        cfg = compose("config", overrides=[*TINY, f"logger.tracking_uri=sqlite:///{tmp_path / 'm.db'}"])
+    with pytest.raises(StorageError) as info:
+        train.open_run(cfg, run_id)
+    return str(info.value).replace(str(tmp_path), "<dir>")
+
+
+def test_a_full_or_locked_store_at_the_start_says_so(tmp_path, monkeypatch):
+    """Both were "cannot use this MLflow store (... 1,500 characters of SQL ...); use sqlite:///mlruns.db, an
+    http://..." as if the setting were wrong."""
+    full = _open_run_fails_with(monkeypatch, tmp_path, _store_error("database or disk is full"))
+    assert full == ("logger.tracking_uri=sqlite:///<dir>/m.db: no space left on the disk holding the MLflow store "
+                    "(OperationalError: database or disk is full); free space, then run it again")
+    full = _open_run_fails_with(monkeypatch, tmp_path, _store_error("database or disk is full"), run_id="r1")
+    assert full.endswith("free space, then run it again with resume=r1")
+    locked = _open_run_fails_with(monkeypatch, tmp_path, _store_error("database is locked"), run_id="r1")
+    assert locked == ("logger.tracking_uri=sqlite:///<dir>/m.db: the MLflow store stayed locked by another process "
+                      "for 600 s (OperationalError: database is locked); let that process finish or stop it, then run "
+                      "it again with resume=r1")

@@ -283,3 +283,61 @@ def test_mlflows_store_tracebacks_are_silenced_for_the_whole_process():
         assert not store_log.isEnabledFor(logging.ERROR)
     finally:
         store_log.setLevel(before)
+
+
+def _locked(database, seconds: float):
+    """Hold an EXCLUSIVE lock on `database` (neither reads nor writes get in) in a thread, for `seconds` or until
+    `release()`; returns `release` once the lock is taken."""
+    import threading
+
+    taken, released = threading.Event(), threading.Event()
+
+    def hold():
+        connection = sqlite3.connect(database, isolation_level=None)
+        connection.execute("BEGIN EXCLUSIVE")
+        taken.set()
+        released.wait(seconds)
+        connection.execute("COMMIT")
+        connection.close()
+
+    holder = threading.Thread(target=hold, daemon=True)
+    holder.start()
+    taken.wait(10)
+    return lambda: (released.set(), holder.join())
+
+
+def test_a_store_locked_when_the_run_opens_is_waited_for(tmp_path, tmp_path_factory):
+    """MLflow's client reads the schema as it is made: under a lock that failed at once ("cannot use this MLflow
+    store"), not retried like every other store call."""
+    copy_store(make_store(tmp_path_factory.getbasetemp() / "store"), tmp_path)
+    uri = f"sqlite:///{tmp_path / 'mlruns.db'}?timeout=1"  # sqlite's wait for a lock: 1 s, not 5
+    _locked(tmp_path / "mlruns.db", 2.5)
+    began = time.monotonic()
+    tracker = tracking.RunTracker(uri, "xmc_repro")
+    assert time.monotonic() - began > 2
+    tracker.finish("FINISHED")
+    assert [r.info.status for r in runs(tmp_path)] == ["FINISHED"]
+
+
+def test_a_resumed_run_in_a_busy_store_is_not_called_missing(tmp_path, tmp_path_factory, monkeypatch):
+    """Only MLflow's RESOURCE_DOES_NOT_EXIST means the run is not in the store; a store locked for good said so."""
+    from mlflow.exceptions import MlflowException
+    from mlflow.tracking import MlflowClient
+
+    from xmc_repro.errors import ConfigError
+
+    copy_store(make_store(tmp_path_factory.getbasetemp() / "store"), tmp_path)
+    uri = f"sqlite:///{tmp_path / 'mlruns.db'}"
+    first = tracking.RunTracker(uri, "xmc_repro")
+    first.finish("FAILED", "interrupted (Ctrl+C)")
+    with pytest.raises(ConfigError, match=r"^resume: MLflow run 0123456789abcdef is not in sqlite:///"):
+        tracking.RunTracker(uri, "xmc_repro", run_id="0123456789abcdef")
+
+    def locked(self, run_id):
+        raise MlflowException("(sqlite3.OperationalError) database is locked", error_code="TEMPORARILY_UNAVAILABLE")
+
+    monkeypatch.setattr(tracking, "RETRY_SECONDS", 0.0)
+    monkeypatch.setattr(MlflowClient, "get_run", locked)
+    with pytest.raises(MlflowException, match="database is locked") as info:
+        tracking.RunTracker(uri, "xmc_repro", run_id=first.run_id)
+    assert tracking.is_contention(info.value)

@@ -248,7 +248,8 @@ class RunTracker:
         check_store(tracking_uri)
         with store_lock(tracking_uri), _quiet("mlflow.store.db.utils", "alembic"):  # schema creation chatter
             create_store_whole(tracking_uri)
-            self.client = MlflowClient(tracking_uri)
+            # MLflow's client reads the schema as it is made: it too may find the store locked
+            self.client = with_retries(MlflowClient, tracking_uri)
             # A resumed run stays in its own experiment (set by _reopen), whatever logger.experiment_name says now
             self.experiment_id = with_retries(self._experiment, experiment_name) if run_id is None else None
         if run_id is None:
@@ -278,7 +279,9 @@ class RunTracker:
     def _reopen(self, run_id: str) -> None:
         try:
             run = with_retries(self.client.get_run, run_id)
-        except MlflowException:
+        except MlflowException as error:
+            if error.error_code != "RESOURCE_DOES_NOT_EXIST":  # e.g. a store still locked: not a wrong store
+                raise
             raise ConfigError(
                 f"resume: MLflow run {run_id} is not in {self.tracking_uri}; set logger.tracking_uri "
                 "(or MLFLOW_TRACKING_URI) to the store the run was started with"

@@ -22,7 +22,7 @@ from hydra.utils import instantiate
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from omegaconf import DictConfig, OmegaConf
 
-from xmc_repro import checkpoints
+from xmc_repro import checkpoints, tracking
 from xmc_repro.callbacks import MemoryPeakReport, SigtermStopsEveryRank, StepProfile, sigterm_noted
 from xmc_repro.console import EpochLine, EvaluationProgress, ProgressBar
 from xmc_repro.data import build_datamodule
@@ -32,7 +32,7 @@ from xmc_repro.errors import ConfigError, StorageError, UserError
 from xmc_repro.metrics import inverse_propensity
 from xmc_repro.model import NonFiniteLossError, XMCClassifier, instantiate_with
 from xmc_repro.resume import CHECKPOINT_ROOT, note_started, prepare
-from xmc_repro.tracking import RunTracker, device_name, git_commit, short_error
+from xmc_repro.tracking import RunTracker, device_name, git_commit, is_contention, short_error
 from xmc_repro.validation import BEFORE_THE_SETTING
 from xmc_repro.validation import validate as validate_values
 
@@ -191,13 +191,23 @@ def sweep_tags() -> dict[str, str]:
 
 
 def open_run(cfg: DictConfig, run_id: str | None) -> RunTracker:
-    """A new MLflow run, or the one `resume` continues; ConfigError (one line) if the store cannot be used."""
+    """A new MLflow run, or the one `resume` continues; a UserError (one line) if the store cannot be used."""
     uri = cfg.logger.tracking_uri
     try:
         return RunTracker(uri, cfg.logger.experiment_name, run_id=run_id, run_name=run_name(cfg))
     except UserError:
         raise
     except Exception as error:
+        again = f"run it again with resume={run_id}" if run_id else "run it again"
+        if is_contention(error):
+            raise StorageError(
+                f"logger.tracking_uri={uri}: the MLflow store stayed locked by another process for "
+                f"{tracking.RETRY_SECONDS:.0f} s ({short_error(error)}); let that process finish or stop it, "
+                f"then {again}"
+            ) from error
+        if disk_full(error):
+            raise StorageError(f"logger.tracking_uri={uri}: no space left on the disk holding the MLflow store "
+                               f"({short_error(error)}); free space, then {again}") from error
         raise ConfigError(
             f"logger.tracking_uri={uri}: cannot use this MLflow store ({short_error(error)}); "
             "use sqlite:///mlruns.db, an http://host:port tracking server, or set MLFLOW_TRACKING_URI"
