@@ -404,3 +404,39 @@ def test_ctrl_c_during_the_summary_says_the_run_is_recorded(tmp_path):
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 130 and stderr_lines(done.stderr) == [
         "error: interrupted (Ctrl+C) after run r1 had FINISHED; its results are recorded"], done.stderr
+
+
+LOCK_HOLDER = """
+import sqlite3, sys, time
+connection = sqlite3.connect(sys.argv[1], isolation_level=None)
+connection.execute("BEGIN EXCLUSIVE")  # as another tool reading or writing the store for a while
+print("locked", flush=True)
+time.sleep(float(sys.argv[2]))
+"""
+
+
+def test_ctrl_c_while_waiting_for_a_locked_store_ends_in_one_line(tmp_path, store):
+    """A store locked when a run starts is waited for (up to tracking.RETRY_SECONDS, 10 minutes); meanwhile Ctrl+C
+    and SIGTERM were ignored, being deferred while the run opens. Now: exit 130 and one line, no run created."""
+    copy_store(store, tmp_path)
+    holder = subprocess.Popen([sys.executable, "-c", LOCK_HOLDER, str(tmp_path / "mlruns.db"), "120"],
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline() == "locked\n"
+        _USED.add(tmp_path)
+        process = subprocess.Popen(command(tmp_path, TINY), cwd=tmp_path, env=cli_env(), stdout=subprocess.PIPE,
+                                   stderr=subprocess.PIPE, text=True)
+        deadline = time.monotonic() + 120
+        while not (tmp_path / "mlruns.db.lock").exists():  # the run has reached the store
+            assert process.poll() is None and time.monotonic() < deadline, process.stderr.read()[-3000:]
+            time.sleep(0.05)
+        time.sleep(1)
+        process.send_signal(signal.SIGINT)
+        _, stderr = process.communicate(timeout=60)
+    finally:
+        holder.kill()
+        holder.wait()
+    assert process.returncode == 130, stderr[-3000:]
+    assert stderr_lines(stderr) == ["error: interrupted (Ctrl+C) before the MLflow run was opened; nothing was "
+                                    "recorded"], stderr[-3000:]
+    assert runs(tmp_path) == []

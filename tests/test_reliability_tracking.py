@@ -341,3 +341,29 @@ def test_a_resumed_run_in_a_busy_store_is_not_called_missing(tmp_path, tmp_path_
     with pytest.raises(MlflowException, match="database is locked") as info:
         tracking.RunTracker(uri, "xmc_repro", run_id=first.run_id)
     assert tracking.is_contention(info.value)
+
+
+def test_ctrl_c_ends_the_wait_for_a_locked_store_before_any_run_exists(tmp_path, tmp_path_factory, monkeypatch):
+    """Signals are deferred while the run is opened (one there would leave a run nobody closes); the wait for a
+    locked store (up to RETRY_SECONDS) ignored Ctrl+C and SIGTERM."""
+    import functools
+    import os
+    import signal
+    import threading
+
+    from xmc_repro import train
+
+    monkeypatch.setattr(tracking, "RETRY_SECONDS", 20.0)  # bounds the test when the wait is not interruptible
+    copy_store(make_store(tmp_path_factory.getbasetemp() / "store"), tmp_path)
+    uri = f"sqlite:///{tmp_path / 'mlruns.db'}?timeout=1"
+    release = _locked(tmp_path / "mlruns.db", 60)
+    began = time.monotonic()
+    with train.interruptions_deferred() as interrupted:
+        ctrl_c = threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGINT))
+        ctrl_c.start()
+        with pytest.raises(KeyboardInterrupt):
+            tracking.RunTracker(uri, "xmc_repro", raise_pending=functools.partial(train.raise_deferred, interrupted))
+        ctrl_c.join()
+    assert time.monotonic() - began < 5
+    release()
+    assert runs(tmp_path) == []

@@ -89,8 +89,11 @@ def short_error(error: BaseException) -> str:
     return f"{type(error).__name__}: {text}"[:300]
 
 
-def with_retries(fn, *args, **kwargs):
-    """fn(*args, **kwargs), retried with exponential backoff and jitter while the store is locked."""
+def with_retries(fn, *args, while_waiting=None, **kwargs):
+    """fn(*args, **kwargs), retried with exponential backoff and jitter while the store is locked.
+
+    `while_waiting()`, if given, is called after each failed attempt and each wait; it may raise to give up (a Ctrl+C
+    that came meanwhile: a failed attempt wrote nothing)."""
     delay, deadline = 0.05, time.monotonic() + RETRY_SECONDS
     while True:
         try:
@@ -98,7 +101,11 @@ def with_retries(fn, *args, **kwargs):
         except Exception as error:
             if not is_contention(error) or time.monotonic() > deadline:
                 raise
+            if while_waiting is not None:
+                while_waiting()
             time.sleep(delay * (0.5 + _jitter.random()))
+            if while_waiting is not None:
+                while_waiting()
             delay = min(2 * delay, 5.0)
 
 
@@ -124,15 +131,27 @@ def sqlite_path(tracking_uri: str) -> Path | None:
 
 
 @contextmanager
-def store_lock(tracking_uri: str):
-    """Exclusive lock on `<db>.lock` while a process first touches a sqlite store (schema, experiment)."""
+def store_lock(tracking_uri: str, while_waiting=None):
+    """Exclusive lock on `<db>.lock` while a process first touches a sqlite store (schema, experiment).
+
+    With `while_waiting`, the lock is polled and `while_waiting()` called between tries (see `with_retries`): a
+    blocking flock would hold a deferred Ctrl+C for as long as another process waits for a locked store."""
     path = sqlite_path(tracking_uri)
     if path is None or fcntl is None:
         yield
         return
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path.with_name(path.name + ".lock"), "a") as handle:
-        fcntl.flock(handle, fcntl.LOCK_EX)
+        if while_waiting is None:
+            fcntl.flock(handle, fcntl.LOCK_EX)
+        else:
+            while True:
+                try:
+                    fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    break
+                except BlockingIOError:
+                    while_waiting()
+                    time.sleep(0.1)
         try:
             yield
         finally:
@@ -241,26 +260,30 @@ class RunTracker:
     Every call to the store goes through `with_retries` (see the module docstring).
     """
 
-    def __init__(self, tracking_uri: str, experiment_name: str, run_id: str | None = None, run_name: str | None = None):
+    def __init__(self, tracking_uri: str, experiment_name: str, run_id: str | None = None, run_name: str | None = None,
+                 raise_pending=None):
+        """`raise_pending()`, if given, raises a signal deferred while the run opens (`train.interruptions_deferred`);
+        it is called while the store is busy and nothing of the run is written yet, so waiting stays interruptible."""
         self.tracking_uri = tracking_uri
         self.closed_as: str | None = None  # the status `finish` gave the run
         self.reopened = run_id is not None  # a resumed run: what it logged before may be logged again
         check_store(tracking_uri)
-        with store_lock(tracking_uri), _quiet("mlflow.store.db.utils", "alembic"):  # schema creation chatter
+        with store_lock(tracking_uri, raise_pending), _quiet("mlflow.store.db.utils", "alembic"):  # schema chatter
             create_store_whole(tracking_uri)
             # MLflow's client reads the schema as it is made: it too may find the store locked
-            self.client = with_retries(MlflowClient, tracking_uri)
+            self.client = with_retries(MlflowClient, tracking_uri, while_waiting=raise_pending)
             # A resumed run stays in its own experiment (set by _reopen), whatever logger.experiment_name says now
-            self.experiment_id = with_retries(self._experiment, experiment_name) if run_id is None else None
+            self.experiment_id = (with_retries(self._experiment, experiment_name, while_waiting=raise_pending)
+                                  if run_id is None else None)
         if run_id is None:
             # created with the process that made it, so that a kill before its folder exists can be told apart
             # from a run still starting (resume.close_unstarted)
             run_id = with_retries(self.client.create_run, self.experiment_id, run_name=run_name,
-                                  tags={STARTED_BY: started_by()}).info.run_id
+                                  tags={STARTED_BY: started_by()}, while_waiting=raise_pending).info.run_id
             if run_name:  # a piece of the id keeps names unique when a configuration runs again
                 with_retries(self.client.update_run, run_id, name=f"{run_name} {run_id[:4]}")
         else:
-            self._reopen(run_id)
+            self._reopen(run_id, raise_pending)
         self.run_id = run_id
 
     def _experiment(self, name: str) -> str:
@@ -276,9 +299,9 @@ class RunTracker:
                 raise
             return self.client.get_experiment_by_name(name).experiment_id
 
-    def _reopen(self, run_id: str) -> None:
+    def _reopen(self, run_id: str, raise_pending=None) -> None:
         try:
-            run = with_retries(self.client.get_run, run_id)
+            run = with_retries(self.client.get_run, run_id, while_waiting=raise_pending)
         except MlflowException as error:
             if error.error_code != "RESOURCE_DOES_NOT_EXIST":  # e.g. a store still locked: not a wrong store
                 raise
@@ -289,12 +312,13 @@ class RunTracker:
         if run.info.status == "FINISHED":
             raise ConfigError(f"resume={run_id}: that run already FINISHED; start a new run (without resume=)")
         self.experiment_id = run.info.experiment_id  # the runs table the summary links to is the run's
+        # The status first: until it is written, giving up on a busy store leaves the run as it was.
+        with_retries(self.client.update_run, run_id, status="RUNNING", while_waiting=raise_pending)
         for tag in ("error", "failed_at_step"):  # the failure it resumes from is history now
             if tag in run.data.tags:
                 with_retries(self.client.delete_tag, run_id, tag)
         resumed = int(run.data.tags.get("resumed", 0)) + 1
         with_retries(self.client.log_batch, run_id, tags=[RunTag("resumed", str(resumed))])
-        with_retries(self.client.update_run, run_id, status="RUNNING")
 
     def status(self) -> str:
         return with_retries(self.client.get_run, self.run_id).info.status

@@ -190,11 +190,13 @@ def sweep_tags() -> dict[str, str]:
     return {"sweep_id": Path(hc.sweep.dir).as_posix(), "job_num": str(hc.job.num)}
 
 
-def open_run(cfg: DictConfig, run_id: str | None) -> RunTracker:
-    """A new MLflow run, or the one `resume` continues; a UserError (one line) if the store cannot be used."""
+def open_run(cfg: DictConfig, run_id: str | None, interrupted: list[int] | None = None) -> RunTracker:
+    """A new MLflow run, or the one `resume` continues; a UserError (one line) if the store cannot be used.
+    `interrupted`: the signals `interruptions_deferred` noted; one ends the wait for a busy store."""
     uri = cfg.logger.tracking_uri
+    pending = functools.partial(raise_deferred, interrupted) if interrupted is not None else None
     try:
-        return RunTracker(uri, cfg.logger.experiment_name, run_id=run_id, run_name=run_name(cfg))
+        return RunTracker(uri, cfg.logger.experiment_name, run_id=run_id, run_name=run_name(cfg), raise_pending=pending)
     except UserError:
         raise
     except Exception as error:
@@ -261,7 +263,8 @@ def sigterm_ends_the_run(progress: dict):
 def interruptions_deferred():
     """SIGTERM and Ctrl+C only noted while the MLflow run is being created or reopened: raised there, they would
     leave a run RUNNING that no tracker can close. Yields the list of signals that came; the caller raises them
-    once it can end the run FAILED."""
+    once it can end the run FAILED, or while it waits for a busy store before anything of the run is written
+    (`open_run`): that wait may last minutes."""
     received: list[int] = []
     if threading.current_thread() is not threading.main_thread():  # only the main thread may set handlers
         yield received
@@ -302,10 +305,13 @@ def _run_and_record(cfg: DictConfig, resume_from: Path | None, run_id: str | Non
     lock = checkpoints.hold_run(resume_from.parent, run_id) if resume_from else None
     try:
         with interruptions_deferred() as interrupted:
-            tracker = open_run(cfg, run_id)
-    except BaseException:
+            tracker = open_run(cfg, run_id, interrupted)
+    except BaseException as error:
         if lock is not None:
             lock.release()
+        if isinstance(error, (KeyboardInterrupt, SIGTERMException)):  # while waiting for a busy store
+            error.run_failure = (f"interrupted ({interruption(error)}) before the MLflow run was opened; nothing "
+                                 "was recorded")
         raise
     checkpoint_dir = resume_from.parent if resume_from else CHECKPOINT_ROOT / tracker.run_id
     try:
