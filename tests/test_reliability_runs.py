@@ -440,3 +440,35 @@ def test_ctrl_c_while_waiting_for_a_locked_store_ends_in_one_line(tmp_path, stor
     assert stderr_lines(stderr) == ["error: interrupted (Ctrl+C) before the MLflow run was opened; nothing was "
                                     "recorded"], stderr[-3000:]
     assert runs(tmp_path) == []
+
+
+def test_a_second_ctrl_c_while_the_run_is_marked_failed_says_it_shows_running(monkeypatch, tmp_path, store):
+    """Ctrl+C, then Ctrl+C again while a slow (or locked) store is being told FAILED: the run stayed RUNNING and the
+    second interrupt's traceback said nothing of it."""
+    from hydra import compose, initialize_config_dir
+
+    from test_reliability_common import ROOT
+    from xmc_repro import train
+    from xmc_repro.tracking import RunTracker
+
+    monkeypatch.chdir(tmp_path)
+    copy_store(store, tmp_path)
+
+    def fit_interrupted(*args, **kwargs):
+        raise KeyboardInterrupt()
+
+    def finish_interrupted(self, *args, **kwargs):
+        raise KeyboardInterrupt()
+
+    monkeypatch.setattr(train, "_fit_and_test", fit_interrupted)
+    monkeypatch.setattr(RunTracker, "finish", finish_interrupted)
+    with initialize_config_dir(str(ROOT / "conf"), version_base="1.3"):
+        cfg = compose("config", overrides=[*TINY, f"logger.tracking_uri=sqlite:///{tmp_path / 'mlruns.db'}"])
+    with pytest.raises(KeyboardInterrupt) as info:
+        train.run(cfg)
+    (run,) = runs(tmp_path)
+    assert run.info.status == "RUNNING"  # the store was never told
+    assert info.value.run_failure == (f"interrupted (Ctrl+C); Ctrl+C again while the MLflow run was being marked "
+                                      f"FAILED: it shows RUNNING; resume={run.info.run_id} continues or closes it")
+    monkeypatch.undo()
+    RunTracker(cfg.logger.tracking_uri, "xmc_repro", run_id=run.info.run_id).finish("FAILED", "closed by the test")

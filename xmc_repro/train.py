@@ -339,6 +339,9 @@ def _run_and_record(cfg: DictConfig, resume_from: Path | None, run_id: str | Non
         except Exception as store_error:  # e.g. the store's disk is full too: say so in the same line
             message += (f"; the MLflow run could not be marked FAILED ({short_error(store_error)[:200]}) and shows "
                         f"RUNNING: once the store is writable, resume={tracker.run_id} continues or closes it")
+        except (KeyboardInterrupt, SIGTERMException) as again:  # a second Ctrl+C while a slow store is written
+            message += (f"; {interruption(again)} again while the MLflow run was being marked FAILED: it shows "
+                        f"RUNNING; resume={tracker.run_id} continues or closes it")
         if disk_full(error) and not isinstance(error, UserError):  # one line, like other storage errors
             error = StorageError(message)
             error.run_failure = message
