@@ -255,3 +255,59 @@ def test_a_full_or_locked_store_at_the_start_says_so(tmp_path, monkeypatch):
     assert locked == ("logger.tracking_uri=sqlite:///<dir>/m.db: the MLflow store stayed locked by another process "
                       "for 600 s (OperationalError: database is locked); let that process finish or stop it, then run "
                       "it again with resume=r1")
+
+
+@pytest.mark.parametrize("error, says", [
+    (_store_error("database or disk is full"),
+     "no space left on the device (OperationalError: database or disk is full); free space, then {go_on}"),
+    (_store_error("attempt to write a readonly database"),
+     "the MLflow store sqlite:///m.db cannot be written (OperationalError: attempt to write a readonly database): it "
+     "was deleted, moved or made read-only while the run wrote it; restore it or make it and its folder writable, "
+     "then {go_on}"),
+    (_store_error("database is locked"),
+     "the MLflow store sqlite:///m.db stayed locked by another process for 600 s (OperationalError: database is "
+     "locked); let that process finish or stop it, then {go_on}"),
+    (OSError(30, "Read-only file system", "/data/mlruns/1"),
+     "cannot write /data/mlruns/1 (Read-only file system); make it writable, then {go_on}"),
+    (RuntimeError("DataLoader worker (pid 4242) is killed by signal: Killed. "),
+     "a data-loading worker process died (RuntimeError: DataLoader worker (pid 4242) is killed by signal: Killed.; "
+     "killed for lack of memory, most often); lower trainer.num_workers or free memory, then {go_on}"),
+], ids=["store full", "store deleted", "store locked", "read-only folder", "worker killed"])  # fmt: skip
+def test_store_and_system_failures_say_what_to_do_in_one_short_line(tmp_path, error, says):
+    """Such failures said `MlflowException: ` and 1,500 characters of SQL, or a bare `OSError: ...`, or nothing of
+    resume= though last.ckpt existed; a full store before the first checkpoint said to resume a run that has none."""
+    from xmc_repro.train import failure_message
+
+    last = tmp_path / "last.ckpt"
+    before = failure_message(error, "r1", last, "sqlite:///m.db")
+    assert before == says.format(go_on="start it again (no checkpoint yet)")
+    last.write_bytes(b"")
+    assert failure_message(error, "r1", last, "sqlite:///m.db") == says.format(go_on="continue the run with resume=r1")
+
+
+@pytest.mark.parametrize("error", [OSError(30, "Read-only file system", "mlruns/1"),
+                                   _store_error("attempt to write a readonly database")])
+def test_an_unwritable_artifact_folder_or_store_ends_the_run_in_one_line(monkeypatch, tmp_path, error):
+    """A read-only ./mlruns (the run's artifacts) printed Hydra's `Error executing job` and the bare OSError."""
+    from hydra import compose, initialize_config_dir
+
+    from test_reliability_common import ROOT
+    from xmc_repro import train
+    from xmc_repro.errors import StorageError
+
+    monkeypatch.chdir(tmp_path)
+    copy_store(make_store(tmp_path / "store"), tmp_path)
+
+    def fit_fails(*args, **kwargs):
+        raise error
+
+    monkeypatch.setattr(train, "_fit_and_test", fit_fails)
+    with initialize_config_dir(str(ROOT / "conf"), version_base="1.3"):
+        cfg = compose("config", overrides=[*TINY, f"logger.tracking_uri=sqlite:///{tmp_path / 'mlruns.db'}"])
+    with pytest.raises(StorageError) as info:
+        train.run(cfg)
+    message = info.value.run_failure
+    assert str(info.value) == message and "\n" not in message and "INSERT" not in message
+    assert message.endswith("then start it again (no checkpoint yet)")
+    (run,) = runs(tmp_path)
+    assert run.info.status == "FAILED" and run.data.tags["error"] == message

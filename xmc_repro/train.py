@@ -9,6 +9,7 @@ continues the same run from it with the run's own settings (see `xmc_repro.resum
 from __future__ import annotations
 
 import contextlib
+import errno
 import functools
 import os
 import signal
@@ -63,14 +64,33 @@ def interruption(error: BaseException) -> str:
     return f"exit {getattr(error, 'code', None)}"
 
 
-def failure_message(error: BaseException, run_id: str | None = None, last_checkpoint: Path | None = None) -> str:
-    """One line saying what happened and what to do, for the terminal and the run's `error` tag."""
+def failure_message(error: BaseException, run_id: str | None = None, last_checkpoint: Path | None = None,
+                    store: str | None = None) -> str:
+    """One line saying what happened and what to do, for the terminal and the run's `error` tag (`store`: the run's
+    tracking URI)."""
     kept = last_checkpoint is not None and last_checkpoint.is_file()
+
+    def then_go_on(fix: str) -> str:  # a run with a checkpoint continues from it; one without has nothing to resume
+        return f"{fix}, then " + (f"continue the run with resume={run_id}" if kept and run_id
+                                  else "start it again (no checkpoint yet)")
+
+    in_store = f"the MLflow store {store}" if store else "the MLflow store"
     if isinstance(error, UserError):
         text = str(error).replace("resume=<run id>", f"resume={run_id or '<run id>'}")
     elif disk_full(error):
-        text = (f"no space left on the device ({short_error(error)}); free space, then continue the run "
-                f"with resume={run_id or '<run id>'}")
+        text = f"no space left on the device ({short_error(error)}); " + then_go_on("free space")
+    elif read_only_store(error):
+        text = (f"{in_store} cannot be written ({short_error(error)}): it was deleted, moved or made read-only "
+                "while the run wrote it; " + then_go_on("restore it or make it and its folder writable"))
+    elif is_contention(error):
+        text = (f"{in_store} stayed locked by another process for {tracking.RETRY_SECONDS:.0f} s "
+                f"({short_error(error)}); " + then_go_on("let that process finish or stop it"))
+    elif isinstance(error, OSError) and error.errno in (errno.EROFS, errno.EACCES):
+        where = f" {error.filename}" if error.filename else ""
+        text = f"cannot write{where} ({error.strerror}); " + then_go_on("make it writable")
+    elif isinstance(error, RuntimeError) and "DataLoader worker" in str(error):
+        text = (f"a data-loading worker process died ({short_error(error)}; killed for lack of memory, most often); "
+                + then_go_on("lower trainer.num_workers or free memory"))
     elif isinstance(error, NonFiniteLossError):
         text = f"{error}; " + (f"the last good checkpoint is kept: {last_checkpoint}" if kept else "no checkpoint yet")
     elif isinstance(error, (KeyboardInterrupt, SystemExit)):
@@ -92,11 +112,20 @@ def failure_message(error: BaseException, run_id: str | None = None, last_checkp
 
 def disk_full(error: BaseException) -> bool:
     """A full disk, as the OS (ENOSPC, quota) or SQLite ("database or disk is full") reports it."""
-    import errno
-
     if isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EDQUOT):
         return True
     return "disk is full" in f"{error} {error.__cause__ or ''}"
+
+
+def read_only_store(error: BaseException) -> bool:
+    """SQLite's word for a database whose file was deleted or moved while open, or made read-only."""
+    return "readonly database" in f"{error} {error.__cause__ or ''}"
+
+
+def unwritable(error: BaseException) -> bool:
+    """A disk or store that refuses writes (full, read-only, locked for good): a StorageError, in one line."""
+    return (disk_full(error) or read_only_store(error) or is_contention(error)
+            or (isinstance(error, OSError) and error.errno in (errno.EROFS, errno.EACCES)))
 
 
 def build_model(cfg: DictConfig, dm) -> XMCClassifier:
@@ -333,7 +362,7 @@ def _run_and_record(cfg: DictConfig, resume_from: Path | None, run_id: str | Non
             raise
         trainer = progress.get("trainer")
         tags = {"failed_at_step": trainer.global_step} if trainer is not None else {}
-        message = failure_message(error, tracker.run_id, checkpoint_dir / checkpoints.LAST)
+        message = failure_message(error, tracker.run_id, checkpoint_dir / checkpoints.LAST, tracker.tracking_uri)
         try:
             tracker.finish("FAILED", message, tags)
         except Exception as store_error:  # e.g. the store's disk is full too: say so in the same line
@@ -342,7 +371,7 @@ def _run_and_record(cfg: DictConfig, resume_from: Path | None, run_id: str | Non
         except (KeyboardInterrupt, SIGTERMException) as again:  # a second Ctrl+C while a slow store is written
             message += (f"; {interruption(again)} again while the MLflow run was being marked FAILED: it shows "
                         f"RUNNING; resume={tracker.run_id} continues or closes it")
-        if disk_full(error) and not isinstance(error, UserError):  # one line, like other storage errors
+        if unwritable(error) and not isinstance(error, UserError):  # one line, like other storage errors
             error = StorageError(message)
             error.run_failure = message
             raise error from None
