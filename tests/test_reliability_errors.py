@@ -283,6 +283,10 @@ def test_store_and_system_failures_say_what_to_do_in_one_short_line(tmp_path, er
     assert before == says.format(go_on="start it again (no checkpoint yet)")
     last.write_bytes(b"")
     assert failure_message(error, "r1", last, "sqlite:///m.db") == says.format(go_on="continue the run with resume=r1")
+    if isinstance(error, RuntimeError):  # explained: the line alone, no traceback (the others become StorageErrors)
+        from xmc_repro.entry import _explained
+
+        assert _explained(error)
 
 
 @pytest.mark.parametrize("error", [OSError(30, "Read-only file system", "mlruns/1"),

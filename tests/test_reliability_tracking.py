@@ -367,3 +367,28 @@ def test_ctrl_c_ends_the_wait_for_a_locked_store_before_any_run_exists(tmp_path,
     assert time.monotonic() - began < 5
     release()
     assert runs(tmp_path) == []
+
+
+def test_resume_without_a_checkpoint_tells_a_busy_store_from_a_missing_run(tmp_path, tmp_path_factory, monkeypatch):
+    """`resume=<id>` of a run with no checkpoint reads the run to close it: a locked store was taken for a store
+    without the run ("no MLflow run ... set logger.tracking_uri"), or its client failed unretried."""
+    from mlflow.exceptions import MlflowException
+    from mlflow.tracking import MlflowClient
+
+    from xmc_repro.errors import StorageError
+    from xmc_repro.resume import close_orphan
+
+    copy_store(make_store(tmp_path_factory.getbasetemp() / "store"), tmp_path)
+    uri = f"sqlite:///{tmp_path / 'mlruns.db'}"
+    run_dir = tmp_path / "checkpoints" / "0123456789abcdef"
+    run_dir.mkdir(parents=True)
+    assert close_orphan(uri, "0123456789abcdef", run_dir).startswith("no checkpoint in ")  # truly not there
+
+    def locked(self, run_id):
+        raise MlflowException("(sqlite3.OperationalError) database is locked", error_code="TEMPORARILY_UNAVAILABLE")
+
+    monkeypatch.setattr(tracking, "RETRY_SECONDS", 0.0)
+    monkeypatch.setattr(MlflowClient, "get_run", locked)
+    with pytest.raises(StorageError, match=r"^resume=0123456789abcdef: cannot read the run from the MLflow store "
+                                           r"sqlite:///.* \(MlflowException: .*database is locked\); once the store"):
+        close_orphan(uri, "0123456789abcdef", run_dir)

@@ -162,14 +162,15 @@ def _failure_message(error: BaseException) -> str:
 
 def _explained(error: BaseException) -> bool:
     """Failures whose cause one line explains: bad settings or input, a non-finite loss, out of memory, another
-    DDP rank stopping."""
+    DDP rank stopping, a data-loading worker killed."""
     import torch
 
     from xmc_repro.distributed import another_rank_stopped
     from xmc_repro.model import NonFiniteLossError
+    from xmc_repro.train import worker_died
 
     oom = getattr(torch, "OutOfMemoryError", torch.cuda.OutOfMemoryError)
-    return isinstance(error, (UserError, NonFiniteLossError, oom)) or another_rank_stopped(error)
+    return isinstance(error, (UserError, NonFiniteLossError, oom)) or another_rank_stopped(error) or worker_died(error)
 
 
 def _rank_prefix() -> str:

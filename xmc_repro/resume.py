@@ -16,7 +16,7 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from xmc_repro import checkpoints
 from xmc_repro.cli import STARTED_RUNS_ENV
-from xmc_repro.errors import ConfigError
+from xmc_repro.errors import ConfigError, StorageError
 from xmc_repro.validation import implied_before
 
 CHECKPOINT_ROOT = Path("checkpoints")
@@ -73,14 +73,8 @@ def close_orphan(tracking_uri: str, run_id: str, run_dir: Path) -> str:
     if lock.is_held():
         return (f"run {run_id} has no checkpoint yet and is still being written by another process (pid "
                 f"{lock.holder()}); wait for its first checkpoint (every epoch, or trainer.checkpoint_every_n_steps)")
-    from mlflow.tracking import MlflowClient
-
-    from xmc_repro.tracking import with_retries
-
-    client = MlflowClient(tracking_uri)
-    try:
-        run = with_retries(client.get_run, run_id)
-    except Exception:
+    client, run = _stored_run(tracking_uri, run_id)
+    if run is None:
         return (f"no checkpoint in {run_dir} and no MLflow run {run_id} in {tracking_uri}; set logger.tracking_uri "
                 "to the store the run was started with, or start a new run")
     status = run.info.status
@@ -95,18 +89,14 @@ def close_unstarted(tracking_uri: str, run_id: str) -> str | None:
     """A run with no folder here: one killed between its creation in MLflow and its folder (a few ms; SIGTERM and
     Ctrl+C wait for the folder, SIGKILL cannot) is RUNNING, was started in this folder on this machine, and its
     process is gone: it is marked FAILED. None for any other run (one started elsewhere may be alive)."""
-    from mlflow.tracking import MlflowClient
-
     from xmc_repro.report.records import STARTED_BY
-    from xmc_repro.tracking import sqlite_path, started_by, with_retries
+    from xmc_repro.tracking import sqlite_path, started_by
 
     store = sqlite_path(tracking_uri)
     if store is not None and not store.is_file():
         return None  # no store here (and MLflow would create one)
-    client = MlflowClient(tracking_uri)
-    try:
-        run = with_retries(client.get_run, run_id)
-    except Exception:
+    client, run = _stored_run(tracking_uri, run_id)
+    if run is None:
         return None
     pid, _, place = run.data.tags.get(STARTED_BY, "").partition("@")
     if run.info.status != "RUNNING" or not pid.isdigit() or place != started_by().partition("@")[2]:
@@ -115,6 +105,28 @@ def close_unstarted(tracking_uri: str, run_id: str) -> str | None:
         return (f"run {run_id} is still being started by process {pid}; wait for its first checkpoint (every epoch, "
                 "or trainer.checkpoint_every_n_steps)")
     return _mark_failed(client, run_id)
+
+
+def _stored_run(tracking_uri: str, run_id: str):
+    """(client, the run), or (client, None) when the store has no such run. A store that stays locked, or cannot
+    be read, is a StorageError: a busy store is not a wrong one."""
+    from mlflow.exceptions import MlflowException
+    from mlflow.tracking import MlflowClient
+
+    from xmc_repro.tracking import short_error, with_retries
+
+    client = None
+    try:
+        client = with_retries(MlflowClient, tracking_uri)
+        return client, with_retries(client.get_run, run_id)
+    except MlflowException as error:
+        if error.error_code in ("RESOURCE_DOES_NOT_EXIST", "INVALID_PARAMETER_VALUE"):  # no run of that id
+            return client, None
+        reason = short_error(error)
+    except Exception as error:
+        reason = short_error(error)
+    raise StorageError(f"resume={run_id}: cannot read the run from the MLflow store {tracking_uri} ({reason}); "
+                       "once the store can be read, resume again")
 
 
 def _alive(pid: int, run_started_ms: int | None) -> bool:
@@ -172,7 +184,7 @@ def close_interrupted(path: Path, why: str) -> list[str]:
         if checkpoints.RunLock(Path(run_dir)).is_held():
             continue  # its job is alive: it closes the run itself
         try:
-            client = MlflowClient(uri)
+            client = with_retries(MlflowClient, uri)
             if with_retries(client.get_run, run_id).info.status != "RUNNING":
                 continue
             kept = (Path(run_dir) / checkpoints.LAST).is_file()

@@ -88,7 +88,7 @@ def failure_message(error: BaseException, run_id: str | None = None, last_checkp
     elif isinstance(error, OSError) and error.errno in (errno.EROFS, errno.EACCES):
         where = f" {error.filename}" if error.filename else ""
         text = f"cannot write{where} ({error.strerror}); " + then_go_on("make it writable")
-    elif isinstance(error, RuntimeError) and "DataLoader worker" in str(error):
+    elif worker_died(error):
         text = (f"a data-loading worker process died ({short_error(error)}; killed for lack of memory, most often); "
                 + then_go_on("lower trainer.num_workers or free memory"))
     elif isinstance(error, NonFiniteLossError):
@@ -115,6 +115,11 @@ def disk_full(error: BaseException) -> bool:
     if isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EDQUOT):
         return True
     return "disk is full" in f"{error} {error.__cause__ or ''}"
+
+
+def worker_died(error: BaseException) -> bool:
+    """A data-loading worker process killed (PyTorch's "DataLoader worker (pid ...) is killed by signal")."""
+    return isinstance(error, RuntimeError) and "DataLoader worker" in str(error)
 
 
 def read_only_store(error: BaseException) -> bool:
