@@ -3,6 +3,7 @@ first checkpoint is closed as FAILED by `resume=`, an unreachable tracking serve
 
 from __future__ import annotations
 
+import shutil
 import signal
 import socket
 import subprocess
@@ -37,12 +38,20 @@ def _failed_run_with_checkpoint(directory: Path, store: Path) -> str:
     return run.info.run_id
 
 
-def test_second_writer_of_a_run_is_refused(tmp_path, store):
+@pytest.mark.parametrize("resume", ["id", "copy"])
+def test_second_writer_of_a_run_is_refused(tmp_path, store, resume):
+    """Also when the second resumes from a copy of the run's checkpoint (`resume=backup/last.ckpt`): that locked the
+    copy's folder only, and both processes wrote the run (its metrics twice)."""
     run_id = _failed_run_with_checkpoint(tmp_path, store)
+    given = run_id
+    if resume == "copy":
+        (tmp_path / "backup").mkdir()
+        shutil.copy(tmp_path / "checkpoints" / run_id / "last.ckpt", tmp_path / "backup" / "last.ckpt")
+        given = "backup/last.ckpt"
     lock = checkpoints.RunLock(tmp_path / "checkpoints" / run_id)
     assert lock.acquire()  # as a first `resume=<id>` still training would hold it
     try:
-        result = cli(tmp_path, [f"resume={run_id}", "trainer.max_epochs=2"])
+        result = cli(tmp_path, [f"resume={given}", "trainer.max_epochs=2"])
     finally:
         lock.release()
     assert result.returncode == 2, result.stderr[-3000:]

@@ -335,14 +335,13 @@ def run(cfg: DictConfig) -> dict:
 
 def _run_and_record(cfg: DictConfig, resume_from: Path | None, run_id: str | None, progress: dict) -> dict:
     """Rank 0: open (or reopen) the MLflow run, train and test; the run always ends FINISHED or FAILED."""
-    # One writer per run: a resumed run's lock is taken before its MLflow run is touched.
-    lock = checkpoints.hold_run(resume_from.parent, run_id) if resume_from else None
+    # One writer per run: a resumed run's locks are taken before its MLflow run is touched.
+    locks = _hold_resumed(resume_from, run_id) if resume_from else []
     try:
         with interruptions_deferred() as interrupted:
             tracker = open_run(cfg, run_id, interrupted)
     except BaseException as error:
-        if lock is not None:
-            lock.release()
+        _release(locks)
         if isinstance(error, (KeyboardInterrupt, SIGTERMException)):  # while waiting for a busy store
             error.run_failure = (f"interrupted ({interruption(error)}) before the MLflow run was opened; nothing "
                                  "was recorded")
@@ -350,8 +349,8 @@ def _run_and_record(cfg: DictConfig, resume_from: Path | None, run_id: str | Non
     checkpoint_dir = resume_from.parent if resume_from else CHECKPOINT_ROOT / tracker.run_id
     try:
         raise_deferred(interrupted)  # a signal that came while the run was opening: it ends FAILED here
-        if lock is None:  # a new run: the lock also marks its folder, for resume to tell a dead run from a live one
-            lock = checkpoints.hold_run(checkpoint_dir, tracker.run_id)
+        if not locks:  # a new run: the lock also marks its folder, for resume to tell a dead run from a live one
+            locks = [checkpoints.hold_run(checkpoint_dir, tracker.run_id)]
         if sweep_tags():  # a sweep's job: its launcher may kill it before it can close its run (Ctrl+C, joblib)
             note_started(tracker.run_id, tracker.tracking_uri, checkpoint_dir)
         tracker.log_config(
@@ -383,8 +382,29 @@ def _run_and_record(cfg: DictConfig, resume_from: Path | None, run_id: str | Non
         error.run_failure = message  # what the command line prints: the same line as the run's tag
         raise
     finally:
-        if lock is not None:
-            lock.release()
+        _release(locks)
+
+
+def _hold_resumed(resume_from: Path, run_id: str) -> list[checkpoints.RunLock]:
+    """The writer locks of a resumed run: its checkpoint's folder's and, when that checkpoint is a copy elsewhere
+    (`resume=backup/last.ckpt`), the run's own folder's here, whose process may still be writing the run."""
+    folders = [resume_from.parent]
+    own = CHECKPOINT_ROOT / run_id
+    if own.is_dir() and own.resolve() != resume_from.parent.resolve():
+        folders.append(own)
+    locks = []
+    try:
+        for folder in folders:
+            locks.append(checkpoints.hold_run(folder, run_id))
+    except BaseException:
+        _release(locks)
+        raise
+    return locks
+
+
+def _release(locks: list[checkpoints.RunLock]) -> None:
+    for lock in locks:
+        lock.release()
 
 
 def restores_best(restore_best: str, early_stop) -> bool:
