@@ -352,6 +352,8 @@ what, uri = sys.argv[1:]
 def launch():  # as Hydra runs a sweep: a job opens its run, then the launcher fails around it
     if what == "folder":
         raise NotADirectoryError(20, "Not a directory", "outputs/a-file/run")
+    if what == "full":  # a write to a full disk names no file
+        raise OSError(28, "No space left on device")
     tracker = RunTracker(uri, "e")
     note_started(tracker.run_id, tracker.tracking_uri, entry.Path("checkpoints") / tracker.run_id)
     print(tracker.run_id, flush=True)
@@ -363,7 +365,7 @@ entry.main()
 """
 
 
-@pytest.mark.parametrize("what", ["folder", "launcher"])
+@pytest.mark.parametrize("what", ["folder", "full", "launcher"])
 def test_what_fails_around_the_runs_is_one_line_and_leaves_no_run_running(tmp_path, store, what):
     """Hydra's output folder that cannot be written, and a sweep's launcher failing (joblib's TerminatedWorkerError
     when the OOM killer kills a worker) printed Hydra's traceback; the launcher's left the workers' runs RUNNING."""
@@ -374,10 +376,12 @@ def test_what_fails_around_the_runs_is_one_line_and_leaves_no_run_running(tmp_pa
     (tmp_path / "around.py").write_text(AROUND_THE_RUNS)
     done = subprocess.run([sys.executable, str(tmp_path / "around.py"), what, uri], cwd=tmp_path, env=cli_env(),
                           capture_output=True, text=True, timeout=120)
-    if what == "folder":
+    if what != "launcher":
+        cannot = {"folder": "outputs/a-file/run (Not a directory); fix that folder",
+                  "full": "Hydra's output folder (No space left on device); free space on its disk"}[what]
         assert done.returncode == 2 and stderr_lines(done.stderr) == [
-            "error: cannot write outputs/a-file/run (Not a directory); fix that folder or choose another "
-            "(hydra.run.dir=..., with -m hydra.sweep.dir=...)"], done.stderr
+            f"error: cannot write {cannot} or choose another (hydra.run.dir=..., with -m hydra.sweep.dir=...)"
+        ], done.stderr
         return
     (run_id,) = done.stdout.split()
     assert done.returncode == 1 and stderr_lines(done.stderr) == [

@@ -8,6 +8,7 @@ the sweep ends with a one-line summary of the failed jobs and exit status 1.
 
 from __future__ import annotations
 
+import errno
 import functools
 import os
 import re
@@ -260,9 +261,11 @@ def _report_outside_jobs(error: Exception) -> None:
     """One line, and exit, for what fails around the runs: Hydra's output folder that cannot be written, and a
     sweep's launcher (joblib's TerminatedWorkerError when a worker is killed, by the OOM killer for one), after
     marking FAILED the runs its jobs left RUNNING. Anything else returns, for Hydra's traceback."""
-    if isinstance(error, OSError) and error.filename:
-        print(f"error: cannot write {error.filename} ({error.strerror}); fix that folder or choose another "
-              "(hydra.run.dir=..., with -m hydra.sweep.dir=...)", file=sys.stderr)
+    if isinstance(error, OSError) and (error.filename or error.errno in (errno.ENOSPC, errno.EDQUOT)):
+        where = error.filename or "Hydra's output folder"  # a write to a full disk names no file
+        fix = "free space on its disk" if error.errno in (errno.ENOSPC, errno.EDQUOT) else "fix that folder"
+        print(f"error: cannot write {where} ({error.strerror}); {fix} or choose another (hydra.run.dir=..., with -m "
+              "hydra.sweep.dir=...)", file=sys.stderr)
         sys.exit(2)
     if not any(arg in ("-m", "--multirun") or arg == "hydra.mode=MULTIRUN" for arg in sys.argv[1:]):
         return
@@ -328,10 +331,12 @@ def main() -> None:
     except KeyboardInterrupt as error:  # outside a run (a run reports its own), e.g. in a launcher's (joblib's) wait
         if full_errors():
             raise
-        from xmc_repro.resume import close_interrupted
-
         why = "SIGTERM" if isinstance(error, SweepTerminated) else "Ctrl+C"
-        closed = close_interrupted(started, why)  # the runs of jobs the launcher killed
+        closed = []
+        if started.is_file():  # the runs of jobs the launcher killed; none listed: no import (a signal that came
+            from xmc_repro.resume import close_interrupted  # during the imports leaves them half done)
+
+            closed = close_interrupted(started, why)
         closing = (f"; the runs of killed jobs are marked FAILED ({', '.join(closed)}): continue each with "
                    "resume=<its id>") if closed else ""
         after = getattr(error, "run_failure", None)  # a run's summary, cut short
