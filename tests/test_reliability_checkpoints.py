@@ -14,7 +14,7 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from test_reliability_common import TINY, cli, copy_store, make_store, runs, stderr_lines
+from test_reliability_common import TINY, cli, copy_store, make_store, runs, stderr_lines, tiny_config
 from test_reliability_common import no_run_left_running  # noqa: F401  (autouse)
 from xmc_repro import checkpoints
 from xmc_repro.errors import ConfigError, StorageError
@@ -291,12 +291,7 @@ def test_store_full_when_marking_failed_is_one_line(monkeypatch, tmp_path):
 
     monkeypatch.setattr(train, "_fit_and_test", fit_fails)
     monkeypatch.setattr(RunTracker, "finish", finish_fails)
-    from hydra import compose, initialize_config_dir
-
-    from test_reliability_common import ROOT
-
-    with initialize_config_dir(str(ROOT / "conf"), version_base="1.3"):
-        cfg = compose("config", overrides=[*TINY, f"logger.tracking_uri=sqlite:///{tmp_path / 'mlruns.db'}"])
+    cfg = tiny_config(tmp_path / "mlruns.db")
     with pytest.raises(StorageError) as info:
         train.run(cfg)
     error = info.value

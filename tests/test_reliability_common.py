@@ -37,6 +37,14 @@ def tracking_uri(directory: Path) -> str:
     return f"sqlite:///{directory / 'mlruns.db'}"
 
 
+def tiny_config(store: Path):
+    """The config the command line composes from TINY, with the MLflow store `store` (a sqlite file)."""
+    from hydra import compose, initialize_config_dir
+
+    with initialize_config_dir(str(ROOT / "conf"), version_base="1.3"):
+        return compose("config", overrides=[*TINY, f"logger.tracking_uri=sqlite:///{store}"])
+
+
 def cli_env(extra: dict | None = None) -> dict:
     env = {k: v for k, v in os.environ.items() if k not in ("HYDRA_FULL_ERROR", "MLFLOW_TRACKING_URI")}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))

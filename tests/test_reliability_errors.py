@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 
-from test_reliability_common import TINY, cli, copy_store, make_store, runs, stderr_lines
+from test_reliability_common import TINY, cli, copy_store, make_store, runs, stderr_lines, tiny_config
 from test_reliability_common import no_run_left_running  # noqa: F401  (autouse)
 
 GOOD_TRAIN = "3 5 3\n0,1 0:1.0 2:0.5\n2 1:1.0\n1 3:0.25 4:1\n"
@@ -226,9 +226,6 @@ def _store_error(text: str):
 
 def _open_run_fails_with(monkeypatch, tmp_path, error, run_id=None):
     """train.open_run's one line when the store raises `error` as the run opens."""
-    from hydra import compose, initialize_config_dir
-
-    from test_reliability_common import ROOT
     from xmc_repro import train
     from xmc_repro.errors import StorageError
 
@@ -236,8 +233,7 @@ def _open_run_fails_with(monkeypatch, tmp_path, error, run_id=None):
         raise error
 
     monkeypatch.setattr(train, "RunTracker", store_fails)
-    with initialize_config_dir(str(ROOT / "conf"), version_base="1.3"):
-        cfg = compose("config", overrides=[*TINY, f"logger.tracking_uri=sqlite:///{tmp_path / 'm.db'}"])
+    cfg = tiny_config(tmp_path / "m.db")
     with pytest.raises(StorageError) as info:
         train.open_run(cfg, run_id)
     return str(info.value).replace(str(tmp_path), "<dir>")
@@ -293,9 +289,6 @@ def test_store_and_system_failures_say_what_to_do_in_one_short_line(tmp_path, er
                                    _store_error("attempt to write a readonly database")])
 def test_an_unwritable_artifact_folder_or_store_ends_the_run_in_one_line(monkeypatch, tmp_path, error):
     """A read-only ./mlruns (the run's artifacts) printed Hydra's `Error executing job` and the bare OSError."""
-    from hydra import compose, initialize_config_dir
-
-    from test_reliability_common import ROOT
     from xmc_repro import train
     from xmc_repro.errors import StorageError
 
@@ -306,8 +299,7 @@ def test_an_unwritable_artifact_folder_or_store_ends_the_run_in_one_line(monkeyp
         raise error
 
     monkeypatch.setattr(train, "_fit_and_test", fit_fails)
-    with initialize_config_dir(str(ROOT / "conf"), version_base="1.3"):
-        cfg = compose("config", overrides=[*TINY, f"logger.tracking_uri=sqlite:///{tmp_path / 'mlruns.db'}"])
+    cfg = tiny_config(tmp_path / "mlruns.db")
     with pytest.raises(StorageError) as info:
         train.run(cfg)
     message = info.value.run_failure

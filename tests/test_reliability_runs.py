@@ -14,7 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from test_reliability_common import TINY, cli, cli_env, command, copy_store, make_store, runs, start, stderr_lines
+from test_reliability_common import (
+    TINY, cli, cli_env, command, copy_store, make_store, runs, start, stderr_lines, tiny_config,
+)
 from test_reliability_common import _USED
 from test_reliability_common import no_run_left_running  # noqa: F401  (autouse)
 from xmc_repro import checkpoints
@@ -458,9 +460,6 @@ def test_ctrl_c_while_waiting_for_a_locked_store_ends_in_one_line(tmp_path, stor
 def test_a_second_ctrl_c_while_the_run_is_marked_failed_says_it_shows_running(monkeypatch, tmp_path, store):
     """Ctrl+C, then Ctrl+C again while a slow (or locked) store is being told FAILED: the run stayed RUNNING and the
     second interrupt's traceback said nothing of it."""
-    from hydra import compose, initialize_config_dir
-
-    from test_reliability_common import ROOT
     from xmc_repro import train
     from xmc_repro.tracking import RunTracker
 
@@ -475,8 +474,7 @@ def test_a_second_ctrl_c_while_the_run_is_marked_failed_says_it_shows_running(mo
 
     monkeypatch.setattr(train, "_fit_and_test", fit_interrupted)
     monkeypatch.setattr(RunTracker, "finish", finish_interrupted)
-    with initialize_config_dir(str(ROOT / "conf"), version_base="1.3"):
-        cfg = compose("config", overrides=[*TINY, f"logger.tracking_uri=sqlite:///{tmp_path / 'mlruns.db'}"])
+    cfg = tiny_config(tmp_path / "mlruns.db")
     with pytest.raises(KeyboardInterrupt) as info:
         train.run(cfg)
     (run,) = runs(tmp_path)
