@@ -172,7 +172,7 @@ def test_an_unreadable_last_checkpoint_names_the_runs_other_one(finished, tmp_pa
     there to continue from."""
     directory, run_id = finished
     run_dir = tmp_path / run_id
-    shutil.copytree(directory / "checkpoints" / run_id, run_dir, ignore=shutil.ignore_patterns("*.lock"))
+    shutil.copytree(directory / "checkpoints" / run_id, run_dir)  # with its lock file: a run's folder
     data = (run_dir / "last.ckpt").read_bytes()
     (run_dir / "last.ckpt").write_bytes(data[: len(data) // 2])
     with pytest.raises(ConfigError) as info:
@@ -180,6 +180,9 @@ def test_an_unreadable_last_checkpoint_names_the_runs_other_one(finished, tmp_pa
     assert str(info.value).endswith(f"; its folder also holds best.ckpt: continue from that checkpoint's epoch with "
                                     f"resume={run_dir / 'best.ckpt'}")
     assert checkpoints.read(run_dir / "best.ckpt")["run_id"] == run_id
+    (run_dir / checkpoints.LOCK).unlink()  # a folder of downloads: its other checkpoint may be another run's
+    with pytest.raises(ConfigError, match="; give a run id or a .ckpt file written by python -m xmc_repro$"):
+        checkpoints.read(run_dir / "last.ckpt")
 
 
 def test_a_flipped_bit_in_a_checkpoints_weights_is_refused(finished, tmp_path):

@@ -307,3 +307,21 @@ def test_an_unwritable_artifact_folder_or_store_ends_the_run_in_one_line(monkeyp
     assert message.endswith("then start it again (no checkpoint yet)")
     (run,) = runs(tmp_path)
     assert run.info.status == "FAILED" and run.data.tags["error"] == message
+
+
+def test_an_error_raised_in_a_data_loading_worker_is_a_bug_not_a_killed_worker():
+    """A worker's own error comes back as "Caught RuntimeError in DataLoader worker process 0": it was taken for a
+    killed worker (advice: fewer workers, more memory) and its traceback hidden."""
+    from torch.utils.data import DataLoader
+
+    from xmc_repro.entry import _explained
+    from xmc_repro.train import worker_died
+
+    def mismatched(batch):
+        return torch.stack([torch.zeros(2), torch.zeros(3)])
+
+    with pytest.raises(RuntimeError) as info:
+        list(DataLoader(range(4), batch_size=2, num_workers=1, collate_fn=mismatched))
+    assert "in DataLoader worker process 0" in str(info.value)
+    assert not worker_died(info.value) and not _explained(info.value)
+    assert worker_died(RuntimeError("DataLoader worker (pid(s) 4242) exited unexpectedly"))

@@ -392,3 +392,21 @@ def test_resume_without_a_checkpoint_tells_a_busy_store_from_a_missing_run(tmp_p
     with pytest.raises(StorageError, match=r"^resume=0123456789abcdef: cannot read the run from the MLflow store "
                                            r"sqlite:///.* \(MlflowException: .*database is locked\); once the store"):
         close_orphan(uri, "0123456789abcdef", run_dir)
+
+
+def test_a_reopen_that_fails_after_its_status_write_puts_the_status_back(tmp_path, tmp_path_factory, monkeypatch):
+    """Reopening writes RUNNING first; a store that then failed left a FAILED run RUNNING, which no tracker closes."""
+    from mlflow.tracking import MlflowClient
+
+    copy_store(make_store(tmp_path_factory.getbasetemp() / "store"), tmp_path)
+    uri = f"sqlite:///{tmp_path / 'mlruns.db'}"
+    first = tracking.RunTracker(uri, "xmc_repro")
+    first.finish("FAILED", "interrupted (Ctrl+C)")
+
+    def store_fails(self, *args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(MlflowClient, "log_batch", store_fails)
+    with pytest.raises(OSError):
+        tracking.RunTracker(uri, "xmc_repro", run_id=first.run_id)
+    assert MlflowClient(uri).get_run(first.run_id).info.status == "FAILED"

@@ -95,7 +95,7 @@ class Recorder(pl.Callback):
                     "epoch_losses": self.epoch_losses}, self.folder / f"rank{rank}.pt")
 
 
-def train(model, data, devices: int, folder, rewiring=None, n_train=N_TRAIN):
+def train(model, data, devices: int, folder, rewiring=None, n_train=N_TRAIN, first_callbacks=()):
     pl.seed_everything(3, verbose=False)  # as the pipeline does: Lightning's DDP setup reseeds every rank with it
     torch.rand(7)  # as building the model does
     rewiring = rewiring or Rewiring(0.25, every_n_steps=REWIRE_EVERY, seed=5)
@@ -103,7 +103,7 @@ def train(model, data, devices: int, folder, rewiring=None, n_train=N_TRAIN):
         accelerator="cpu", devices=devices, max_epochs=2,
         strategy="ddp_fork" if devices > 1 else "auto",  # fork: the ranks reuse this process's imports
         use_distributed_sampler=False,  # as the pipeline: the data module shards each global batch
-        callbacks=[rewiring, Recorder(folder), RandomStateKeptThroughSetup()],  # as the pipeline's train.py adds
+        callbacks=[*first_callbacks, rewiring, Recorder(folder), RandomStateKeptThroughSetup()],  # as train.py adds
         logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
         num_sanity_val_steps=0,
     )
@@ -165,6 +165,23 @@ def test_ddp_rewiring_divergence_stops_every_rank(tmp_path):
     with pytest.raises(Exception, match=r"after rewiring 1 \(step 1\) the ranks disagree.*head.indices"):
         train(model, tiny_data(2), 2, tmp_path, RankSeededRewiring(0.25, every_n_steps=REWIRE_EVERY))
     assert not list(tmp_path.glob("rank*.pt"))  # no rank trained on
+
+
+class NanOnRank1(pl.Callback):
+    """Rank 1 reads a NaN loss at the first epoch's end (as a GPU reads its buffered losses); rank 0 reads none."""
+
+    def on_train_epoch_end(self, trainer, pl_module):
+        if trainer.global_rank == 1:
+            pl_module._losses.flush = lambda: (float("nan"), 5)
+
+
+def test_a_nan_loss_one_rank_reads_stops_every_rank_in_step(tmp_path):
+    """Rank 1 raised alone, before the epoch loss's collective, and left rank 0 waiting in it (on NCCL, for the
+    process group's timeout); every rank now learns of it through that collective and stops."""
+    torch.manual_seed(0)
+    model = XMCClassifier(FEATURES, LABELS, head="uniform", connectivity=4, dropout=0.0)
+    with pytest.raises(Exception, match=r"NonFiniteLossError: the training loss is not finite on another DDP rank"):
+        train(model, tiny_data(2), 2, tmp_path, first_callbacks=[NanOnRank1()])  # rank 0's error
 
 
 @pytest.mark.parametrize("error, stopped", [

@@ -121,10 +121,28 @@ def pickled_globals(path: Path) -> set[str]:
     return found
 
 
-def _unreadable_fix(path: Path) -> str:
-    """What to do about an unreadable checkpoint: continue from another of its run's, if its folder holds one."""
+_INTACT: set[tuple[str, int, int]] = set()  # checkpoints found intact by this process: (path, size, mtime)
+
+
+def _damaged_entry(path: Path) -> str | None:
+    """The first zip entry that fails its CRC-32 (torch reads tensors without checking: a flipped bit loads), once
+    per file version in a process (a resume reads its checkpoint twice; a read is ~1 s a GB)."""
+    stat = path.stat()
+    key = (str(path.resolve()), stat.st_size, stat.st_mtime_ns)
+    if key in _INTACT:
+        return None
+    with zipfile.ZipFile(path) as archive:
+        damaged = archive.testzip()
+    if damaged is None:
+        _INTACT.add(key)
+    return damaged
+
+
+def _unreadable_fix(path: Path, setting: str) -> str:
+    """What to do about an unreadable checkpoint given to `resume=`: continue from another of its run's, if its
+    run's folder (the one with the run's lock) holds one."""
     others = sorted(p.name for p in path.parent.glob("*.ckpt") if p.name != path.name)
-    if others:
+    if setting == "resume" and others and (path.parent / LOCK).exists():
         return (f"its folder also holds {', '.join(others)}: continue from that checkpoint's epoch with "
                 f"resume={path.parent / others[0]}")
     return _UNREADABLE_FIX
@@ -139,14 +157,14 @@ def load(path: str | Path, setting: str = "resume") -> dict:
     path = Path(path)
     try:
         unknown = sorted(pickled_globals(path) - ALLOWED_GLOBALS)
-        with zipfile.ZipFile(path) as archive:  # torch reads tensors without checking them: a flipped bit loads
-            damaged = archive.testzip()  # every entry against its CRC-32 (one read of the file, ~1 s a GB)
+        damaged = _damaged_entry(path)
     except Exception as error:  # unreadable, truncated, not a torch zip file
         reason = f"{type(error).__name__}: {error}"
-        raise ConfigError(f"{setting}={path}: not a readable checkpoint ({reason}); {_unreadable_fix(path)}") from None
+        fix = _unreadable_fix(path, setting)
+        raise ConfigError(f"{setting}={path}: not a readable checkpoint ({reason}); {fix}") from None
     if damaged is not None:
         raise ConfigError(f"{setting}={path}: corrupted checkpoint ({damaged} fails its checksum); "
-                          f"{_unreadable_fix(path)}")
+                          f"{_unreadable_fix(path, setting)}")
     if unknown:
         raise ConfigError(
             f"{setting}={path}: refused, the checkpoint would import {', '.join(unknown[:3])} (a checkpoint holds only "
@@ -156,7 +174,8 @@ def load(path: str | Path, setting: str = "resume") -> dict:
         checkpoint = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
     except Exception as error:
         reason = f"{type(error).__name__}: {' '.join(str(error).split())[:200]}"
-        raise ConfigError(f"{setting}={path}: not a readable checkpoint ({reason}); {_unreadable_fix(path)}") from None
+        fix = _unreadable_fix(path, setting)
+        raise ConfigError(f"{setting}={path}: not a readable checkpoint ({reason}); {fix}") from None
     if not isinstance(checkpoint, dict) or not isinstance(checkpoint.get("state_dict"), dict):
         raise ConfigError(f"{setting}={path}: not a Lightning checkpoint (no state_dict in it)")
     return checkpoint

@@ -33,7 +33,7 @@ UNACTIONABLE = (
     r"Checkpoint directory .* exists and is not empty.*",  # the run's own folder: its writer lock, or a resume
     # torch 2.13 deprecates conf/trainer/ddp.yaml's broadcast_buffers=false and itself advises keeping it for now
     r"`broadcast_buffers` is deprecated.*",
-    # logged by rank 0 alone on purpose (the epoch's wall time; the loss's rank-0 share, as the README says)
+    # no sync needed: the epoch's wall time is rank 0's, the epoch loss is already the mean over all ranks
     r"It is recommended to use `self.log\('(epoch_time_s|train/loss_epoch)', \.\.\., sync_dist=True\)`.*",
 )
 

@@ -209,9 +209,20 @@ class XMCClassifier(pl.LightningModule):
     def epoch_loss(self) -> float | None:
         """The epoch's mean training loss so far, weighted by batch size (reads the device once). Under DDP it is
         the mean over every rank's points, as one process computes it: a collective, so every rank calls it."""
-        self._stop_if_non_finite(self._losses.flush())
-        total, points = self._over_ranks(self._losses.totals())
+        total, points = self._epoch_totals()
         return total / points if points else None
+
+    def _epoch_totals(self) -> tuple[float, float]:
+        """The epoch's loss sum and points so far, over all DDP ranks (a collective). A non-finite loss that any rank
+        reads stops every rank here: one rank raising alone would leave the others waiting in the collective."""
+        bad = self._losses.flush()
+        total, points, ranks_bad = self._over_ranks((*self._losses.totals(), float(bad is not None)))
+        self._stop_if_non_finite(bad)
+        if ranks_bad:
+            raise NonFiniteLossError(f"the training loss is not finite on another DDP rank (epoch "
+                                     f"{self.current_epoch}; its line says where); lower trainer.lr or check the "
+                                     "input features for extreme values")
+        return total, points
 
     def _over_ranks(self, values: tuple[float, ...]) -> tuple[float, ...]:
         """`values` summed over the DDP ranks (a collective); unchanged in one process."""
@@ -226,9 +237,9 @@ class XMCClassifier(pl.LightningModule):
         self._stop_if_non_finite(self._losses.new_epoch())
 
     def on_save_checkpoint(self, checkpoint):
-        self._stop_if_non_finite(self._losses.flush())  # a bad loss keeps the previous checkpoint as the last good one
-        # Every rank saves (Lightning's save_checkpoint runs on all of them): the file holds all ranks' sums.
-        total, points = self._over_ranks(self._losses.totals())
+        # Every rank saves (Lightning's save_checkpoint runs on all of them): the file holds all ranks' sums. A bad
+        # loss raises here, so the previous checkpoint stays the last good one.
+        total, points = self._epoch_totals()
         checkpoint["epoch_loss"] = {"sum": total, "points": points, "all_ranks": True}
 
     def on_load_checkpoint(self, checkpoint):

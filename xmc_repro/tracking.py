@@ -25,7 +25,7 @@ import platform
 import random
 import subprocess
 import time
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from pathlib import Path
 
 from lightning.pytorch.loggers import MLFlowLogger
@@ -314,11 +314,16 @@ class RunTracker:
         self.experiment_id = run.info.experiment_id  # the runs table the summary links to is the run's
         # The status first: until it is written, giving up on a busy store leaves the run as it was.
         with_retries(self.client.update_run, run_id, status="RUNNING", while_waiting=raise_pending)
-        for tag in ("error", "failed_at_step"):  # the failure it resumes from is history now
-            if tag in run.data.tags:
-                with_retries(self.client.delete_tag, run_id, tag)
-        resumed = int(run.data.tags.get("resumed", 0)) + 1
-        with_retries(self.client.log_batch, run_id, tags=[RunTag("resumed", str(resumed))])
+        try:
+            for tag in ("error", "failed_at_step"):  # the failure it resumes from is history now
+                if tag in run.data.tags:
+                    with_retries(self.client.delete_tag, run_id, tag)
+            resumed = int(run.data.tags.get("resumed", 0)) + 1
+            with_retries(self.client.log_batch, run_id, tags=[RunTag("resumed", str(resumed))])
+        except BaseException:  # no tracker will close it: its status as it was (if the store takes that write)
+            with suppress(Exception):
+                self.client.update_run(run_id, status=run.info.status)
+            raise
 
     def status(self) -> str:
         return with_retries(self.client.get_run, self.run_id).info.status

@@ -69,9 +69,11 @@ def failure_message(error: BaseException, run_id: str | None = None, last_checkp
     """One line saying what happened and what to do, for the terminal and the run's `error` tag (`store`: the run's
     tracking URI)."""
     kept = last_checkpoint is not None and last_checkpoint.is_file()
+    # A run resumed from its best.ckpt (or a copy under another name) continues from that until last.ckpt is written.
+    resumable = kept or (last_checkpoint is not None and any(last_checkpoint.parent.glob("*.ckpt")))
 
     def then_go_on(fix: str) -> str:  # a run with a checkpoint continues from it; one without has nothing to resume
-        return f"{fix}, then " + (f"continue the run with resume={run_id}" if kept and run_id
+        return f"{fix}, then " + (f"continue the run with resume={run_id}" if resumable and run_id
                                   else "start it again (no checkpoint yet)")
 
     in_store = f"the MLflow store {store}" if store else "the MLflow store"
@@ -87,7 +89,8 @@ def failure_message(error: BaseException, run_id: str | None = None, last_checkp
                 f"({short_error(error)}); " + then_go_on("let that process finish or stop it"))
     elif isinstance(error, OSError) and error.errno in (errno.EROFS, errno.EACCES):
         where = f" {error.filename}" if error.filename else ""
-        text = f"cannot write{where} ({error.strerror}); " + then_go_on("make it writable")
+        verb, fix = ("write", "make it writable") if error.errno == errno.EROFS else ("access", "fix its permissions")
+        text = f"cannot {verb}{where} ({error.strerror}); " + then_go_on(fix)
     elif worker_died(error):
         text = (f"a data-loading worker process died ({short_error(error)}; killed for lack of memory, most often); "
                 + then_go_on("lower trainer.num_workers or free memory"))
@@ -95,11 +98,11 @@ def failure_message(error: BaseException, run_id: str | None = None, last_checkp
         text = f"{error}; " + (f"the last good checkpoint is kept: {last_checkpoint}" if kept else "no checkpoint yet")
     elif isinstance(error, (KeyboardInterrupt, SystemExit)):
         text = f"interrupted ({interruption(error)})"
-        if kept and run_id:
+        if resumable and run_id:
             text += f"; continue it with resume={run_id}"
     elif another_rank_stopped(error):
         text = (f"another DDP rank stopped (its own error line says why: {type(error).__name__} in a collective); "
-                + (f"continue the run with resume={run_id}" if kept and run_id else "no checkpoint yet"))
+                + (f"continue the run with resume={run_id}" if resumable and run_id else "no checkpoint yet"))
     elif isinstance(error, getattr(torch, "OutOfMemoryError", torch.cuda.OutOfMemoryError)):
         text = (
             "out of GPU memory; lower trainer.batch_size and trainer.eval_batch_size (scores are batch x labels), "
@@ -118,8 +121,9 @@ def disk_full(error: BaseException) -> bool:
 
 
 def worker_died(error: BaseException) -> bool:
-    """A data-loading worker process killed (PyTorch's "DataLoader worker (pid ...) is killed by signal")."""
-    return isinstance(error, RuntimeError) and "DataLoader worker" in str(error)
+    """A data-loading worker process killed: PyTorch's "DataLoader worker (pid 42) is killed by signal" or "...
+    exited unexpectedly", not an error raised in a worker ("Caught ... in DataLoader worker process 0": a bug)."""
+    return isinstance(error, RuntimeError) and "DataLoader worker (pid" in str(error)
 
 
 def read_only_store(error: BaseException) -> bool:
