@@ -356,10 +356,12 @@ def launch():  # as Hydra runs a sweep: a job opens its run, then the launcher f
         raise NotADirectoryError(20, "Not a directory", "outputs/a-file/run")
     if what == "full":  # a write to a full disk names no file
         raise OSError(28, "No space left on device")
+    TerminatedWorkerError = type("TerminatedWorkerError", (RuntimeError,), {})  # as joblib's loky names it
     tracker = RunTracker(uri, "e")
     note_started(tracker.run_id, tracker.tracking_uri, entry.Path("checkpoints") / tracker.run_id)
     print(tracker.run_id, flush=True)
-    raise RuntimeError("A worker process managed by the executor was unexpectedly terminated.")
+    raise (TerminatedWorkerError if what == "launcher" else RuntimeError)(
+        "A worker process managed by the executor was unexpectedly terminated.")
 
 entry._task = lambda: hydra_utils.run_and_report(launch)
 sys.argv = ["xmc_repro", "-m", "seed=1,2"]
@@ -367,7 +369,7 @@ entry.main()
 """
 
 
-@pytest.mark.parametrize("what", ["folder", "full", "launcher"])
+@pytest.mark.parametrize("what", ["folder", "full", "launcher", "bug"])
 def test_what_fails_around_the_runs_is_one_line_and_leaves_no_run_running(tmp_path, store, what):
     """Hydra's output folder that cannot be written, and a sweep's launcher failing (joblib's TerminatedWorkerError
     when the OOM killer kills a worker) printed Hydra's traceback; the launcher's left the workers' runs RUNNING."""
@@ -378,21 +380,28 @@ def test_what_fails_around_the_runs_is_one_line_and_leaves_no_run_running(tmp_pa
     (tmp_path / "around.py").write_text(AROUND_THE_RUNS)
     done = subprocess.run([sys.executable, str(tmp_path / "around.py"), what, uri], cwd=tmp_path, env=cli_env(),
                           capture_output=True, text=True, timeout=120)
-    if what != "launcher":
-        cannot = {"folder": "outputs/a-file/run (Not a directory); fix that folder",
-                  "full": "Hydra's output folder (No space left on device); free space on its disk"}[what]
+    where = "(hydra.run.dir=..., with -m hydra.sweep.dir=...)"
+    if what == "folder":
         assert done.returncode == 2 and stderr_lines(done.stderr) == [
-            f"error: cannot write {cannot} or choose another (hydra.run.dir=..., with -m hydra.sweep.dir=...)"
+            f"error: cannot write outputs/a-file/run (Not a directory); fix that folder or choose another {where}"
         ], done.stderr
         return
+    if what == "full":
+        assert done.returncode == 2 and stderr_lines(done.stderr) == [
+            "error: no space left on the device (No space left on device) before any run started; free space on the "
+            f"disk of Hydra's output folder or choose another {where}"], done.stderr
+        return
     (run_id,) = done.stdout.split()
-    assert done.returncode == 1 and stderr_lines(done.stderr) == [
-        "error: the sweep's launcher failed (RuntimeError: A worker process managed by the executor was unexpectedly "
+    kind = "TerminatedWorkerError" if what == "launcher" else "RuntimeError"
+    lines = stderr_lines(done.stderr)
+    assert done.returncode == 1 and lines[-1] == (
+        f"error: the sweep's launcher failed ({kind}: A worker process managed by the executor was unexpectedly "
         f"terminated.); the runs of its unfinished jobs are marked FAILED ({run_id}): continue each with "
-        "resume=<its id>"], done.stderr
+        "resume=<its id>"), done.stderr
+    assert (len(lines) == 1) == (what == "launcher")  # a bug: its traceback first
     run = MlflowClient(uri).get_run(run_id)
     assert run.info.status == "FAILED"
-    assert run.data.tags["error"] == "interrupted (the sweep's launcher failed: RuntimeError); no checkpoint yet"
+    assert run.data.tags["error"] == f"interrupted (the sweep's launcher failed: {kind}); no checkpoint yet"
     assert not list(tmp_path.glob("multirun/.*"))
 
 

@@ -259,18 +259,27 @@ def _raised_in_a_job(error: BaseException) -> bool:
 
 def _report_outside_jobs(error: Exception) -> None:
     """One line, and exit, for what fails around the runs: Hydra's output folder that cannot be written, and a
-    sweep's launcher (joblib's TerminatedWorkerError when a worker is killed, by the OOM killer for one), after
-    marking FAILED the runs its jobs left RUNNING. Anything else returns, for Hydra's traceback."""
-    if isinstance(error, OSError) and (error.filename or error.errno in (errno.ENOSPC, errno.EDQUOT)):
-        where = error.filename or "Hydra's output folder"  # a write to a full disk names no file
-        fix = "free space on its disk" if error.errno in (errno.ENOSPC, errno.EDQUOT) else "fix that folder"
-        print(f"error: cannot write {where} ({error.strerror}); {fix} or choose another (hydra.run.dir=..., with -m "
-              "hydra.sweep.dir=...)", file=sys.stderr)
+    sweep's launcher, after marking FAILED the runs its jobs left RUNNING (joblib's TerminatedWorkerError when a
+    worker is killed, by the OOM killer for one: the line alone; anything else, a bug: its traceback first). Outside
+    a sweep anything else returns, for Hydra's traceback."""
+    full = isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EDQUOT)
+    if isinstance(error, OSError) and error.filename:
+        fix = "free space on its disk" if full else "fix that folder"
+        print(f"error: cannot write {error.filename} ({error.strerror}); {fix} or choose another (hydra.run.dir=..., "
+              "with -m hydra.sweep.dir=...)", file=sys.stderr)
+        sys.exit(2)
+    if full:  # a write to a full disk names no file
+        print(f"error: no space left on the device ({error.strerror}) before any run started; free space on the "
+              "disk of Hydra's output folder or choose another (hydra.run.dir=..., with -m hydra.sweep.dir=...)",
+              file=sys.stderr)
         sys.exit(2)
     if not any(arg in ("-m", "--multirun") or arg == "hydra.mode=MULTIRUN" for arg in sys.argv[1:]):
         return
     from xmc_repro.cli import STARTED_RUNS_ENV
     from xmc_repro.resume import close_interrupted
+
+    if type(error).__name__ != "TerminatedWorkerError":  # its text says it all (joblib's, not imported for it)
+        traceback.print_exception(error)
 
     reason = " ".join(f"{type(error).__name__}: {error}".split())
     closed = close_interrupted(Path(os.environ.get(STARTED_RUNS_ENV, "")), f"the sweep's launcher failed: "
