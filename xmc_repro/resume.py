@@ -113,14 +113,14 @@ def _stored_run(tracking_uri: str, run_id: str):
     from mlflow.exceptions import MlflowException
     from mlflow.tracking import MlflowClient
 
-    from xmc_repro.tracking import short_error, with_retries
+    from xmc_repro.tracking import NO_SUCH_RUN, short_error, with_retries
 
     client = None
     try:
         client = with_retries(MlflowClient, tracking_uri)
         return client, with_retries(client.get_run, run_id)
     except MlflowException as error:
-        if error.error_code in ("RESOURCE_DOES_NOT_EXIST", "INVALID_PARAMETER_VALUE"):  # no run of that id
+        if error.error_code in NO_SUCH_RUN:
             return client, None
         reason = short_error(error)
     except Exception as error:

@@ -76,6 +76,9 @@ def is_contention(error: BaseException) -> bool:
     return any(marker in text for marker in _CONTENTION)
 
 
+NO_SUCH_RUN = ("RESOURCE_DOES_NOT_EXIST", "INVALID_PARAMETER_VALUE")  # MLflow's codes for an id a store has no run of
+
+
 def short_error(error: BaseException) -> str:
     """`Type: text` of an error in one line; for a database error the driver's own words (`OperationalError: database
     is locked`), not SQLAlchemy's statement and parameters (over a thousand characters)."""
@@ -303,7 +306,7 @@ class RunTracker:
         try:
             run = with_retries(self.client.get_run, run_id, while_waiting=raise_pending)
         except MlflowException as error:
-            if error.error_code != "RESOURCE_DOES_NOT_EXIST":  # e.g. a store still locked: not a wrong store
+            if error.error_code not in NO_SUCH_RUN:  # e.g. a store still locked: not a wrong store
                 raise
             raise ConfigError(
                 f"resume: MLflow run {run_id} is not in {self.tracking_uri}; set logger.tracking_uri "
