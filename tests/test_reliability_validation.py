@@ -125,6 +125,9 @@ REFUSED = {
     # OmegaConf's traceback where the setting was first read
     "interpolation_of_a_missing_key": (["trainer.max_epochs=${dataset.max_epoch}"], "trainer.max_epochs cannot be "
                                        "resolved (Interpolation key 'dataset.max_epoch' not found); fix its ${...}"),
+    "group_of_settings_set_to_null": (["model=mach", "model.mach=null"], "model.mach=null, but model.label reads its "
+                                      "settings; drop model.mach=null (or give model.mach.<setting>=... for the ones "
+                                      "to change)"),
     "interpolation_of_an_unset_variable": (["logger.tracking_uri=${oc.env:XMC_TEST_UNSET_VARIABLE}"],
                                            "logger.tracking_uri cannot be resolved (KeyError raised while resolving "
                                            "interpolation: \"Environment variable 'XMC_TEST_UNSET_VARIABLE' not found\")"),

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import numbers
+import re
 
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import InterpolationResolutionError
@@ -150,8 +151,23 @@ def _resolvable(cfg: DictConfig) -> None:
     except InterpolationResolutionError as error:
         key = error.full_key or "a setting"
         reason = str(error.msg).strip().splitlines()[0].strip()  # then OmegaConf adds full_key, object_type
+        null = re.search(r"node `([^`]+)` is not a container", reason)  # `model.mach=null`: its settings are read
+        nulled = [path for path in _null_settings(OmegaConf.to_container(cfg, resolve=False))
+                  if null and path.rpartition(".")[2] == null.group(1)]
+        if nulled:
+            raise ConfigError(f"{nulled[0]}=null, but {key} reads its settings; drop {nulled[0]}=null (or give "
+                              f"{nulled[0]}.<setting>=... for the ones to change)") from None
         raise ConfigError(f"{key} cannot be resolved ({reason}); fix its ${{...}} reference or give the value itself "
                           "(python -m xmc_repro --cfg job shows the composed config)") from None
+
+
+def _null_settings(node, prefix: str = "") -> list[str]:
+    """The dotted paths of the settings set to null in a config's tree."""
+    paths = []
+    for key, value in node.items() if isinstance(node, dict) else ():
+        path = f"{prefix}{key}"
+        paths += [path] if value is None else _null_settings(value, path + ".")
+    return paths
 
 
 def _flag(cfg: DictConfig, key: str) -> None:
