@@ -168,11 +168,27 @@ def test_ddp_rewiring_divergence_stops_every_rank(tmp_path):
 
 
 class NanOnRank1(pl.Callback):
-    """Rank 1 reads a NaN loss at the first epoch's end (as a GPU reads its buffered losses); rank 0 reads none.
-    Each rank writes down what stopped it."""
+    """Rank 1 reads a NaN loss (as a GPU reads its buffered losses) at step 3 (`where="step"`) or at the first
+    epoch's end; rank 0 reads none. Each rank writes down what stopped it."""
 
-    def __init__(self, folder):
-        self.folder = folder
+    def __init__(self, folder, where):
+        self.folder, self.where = folder, where
+
+    def on_train_start(self, trainer, pl_module):
+        rank, step = trainer.global_rank, pl_module.training_step
+
+        def training_step(*args, **kwargs):
+            try:
+                return step(*args, **kwargs)
+            except Exception as error:
+                self._write(rank, error)
+                raise
+
+        pl_module.training_step = training_step
+        if rank == 1 and self.where == "step":
+            add = pl_module._losses.add
+            pl_module._losses.add = lambda loss, at, *rest, **kw: (float("nan"), at) if at == 3 else add(loss, at,
+                                                                                                          *rest, **kw)
 
     def on_train_epoch_end(self, trainer, pl_module):
         if trainer.global_rank == 1:
@@ -180,20 +196,25 @@ class NanOnRank1(pl.Callback):
         try:
             pl_module.epoch_loss()  # the epoch's first collective, as the console's epoch line asks first
         except Exception as error:
-            (self.folder / f"error{trainer.global_rank}.txt").write_text(f"{type(error).__name__}: {error}")
+            self._write(trainer.global_rank, error)
             raise
 
+    def _write(self, rank, error):
+        (self.folder / f"error{rank}.txt").write_text(f"{type(error).__name__}: {error}")
 
-def test_a_nan_loss_one_rank_reads_stops_every_rank_in_step(tmp_path):
-    """Rank 1 raised alone, before the epoch loss's collective, and left rank 0 waiting in it (on NCCL, for the
-    process group's timeout); every rank now learns of it through that collective and stops."""
+
+@pytest.mark.parametrize("where, step", [("step", 3), ("epoch", 5)])
+def test_a_nan_loss_one_rank_reads_stops_every_rank_in_step(tmp_path, where, step):
+    """Rank 1 raised alone, before the next collective (the gradients' all-reduce, the epoch loss's), and left rank
+    0 waiting in it (on NCCL, for the process group's timeout); every rank now learns of it and stops."""
     torch.manual_seed(0)
     model = XMCClassifier(FEATURES, LABELS, head="uniform", connectivity=4, dropout=0.0)
     with pytest.raises(Exception, match="NonFiniteLossError"):
-        train(model, tiny_data(2), 2, tmp_path, first_callbacks=[NanOnRank1(tmp_path)])
-    assert (tmp_path / "error1.txt").read_text().startswith("NonFiniteLossError: the training loss is nan at step 5")
+        train(model, tiny_data(2), 2, tmp_path, first_callbacks=[NanOnRank1(tmp_path, where)])
+    assert (tmp_path / "error1.txt").read_text().startswith(f"NonFiniteLossError: the training loss is nan at step "
+                                                            f"{step}")
     assert (tmp_path / "error0.txt").read_text().startswith(
-        "NonFiniteLossError: the training loss is not finite on another DDP rank (epoch 0")
+        "NonFiniteLossError: the training loss is not finite on another DDP rank (by step")
 
 
 @pytest.mark.parametrize("error, stopped", [

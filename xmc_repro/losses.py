@@ -244,6 +244,11 @@ class TrainingLossLog:
         self._sum, self._points = float(loss_sum), float(points)
 
     @property
+    def unread(self) -> int:
+        """Losses recorded and not read back yet (0 right after a read)."""
+        return len(self._pending)
+
+    @property
     def epoch_mean(self) -> float | None:
         """Mean loss of the epoch's read steps, weighted by batch size (None before any)."""
         return self._sum / self._points if self._points else None

@@ -176,7 +176,9 @@ class XMCClassifier(pl.LightningModule):
             # An empty share (a global batch smaller than the number of ranks) still runs backward, as DDP needs.
             loss = self.loss_fn(scores, label_ptr, label_idx) if rows else scores.sum() * 0.0
         last = self._trainer is not None and self.trainer.is_last_batch
-        self._stop_if_non_finite(self._losses.add(loss, self.global_step, rows, flush=last))
+        bad = self._losses.add(loss, self.global_step, rows, flush=last)
+        if not self._losses.unread:  # just read (every rank reads at the same steps): all stop, or none
+            self._stop_on_every_rank(bad, *self._over_ranks((float(bad is not None),)))
         self._log_step_loss(loss, rows)
         if share:  # DDP averages the ranks' gradients: weighted by its share's size, every point counts once
             return loss * (rows * self.trainer.world_size / x.shape[0])
@@ -193,6 +195,15 @@ class XMCClassifier(pl.LightningModule):
                 f"the training loss is {bad[0]} at step {bad[1]} (epoch {self.current_epoch}); "
                 "lower trainer.lr or check the input features for extreme values"
             )
+
+    def _stop_on_every_rank(self, bad: tuple[float, int] | None, ranks_bad: float) -> None:
+        """Stop if this rank read a non-finite loss (`bad`) or, under DDP, any rank did (`ranks_bad`: how many, from
+        a collective): one rank stopping alone would leave the others waiting in their next collective."""
+        self._stop_if_non_finite(bad)
+        if ranks_bad:
+            raise NonFiniteLossError(f"the training loss is not finite on another DDP rank (by step "
+                                     f"{self.global_step}, epoch {self.current_epoch}; its line says where); lower "
+                                     "trainer.lr or check the input features for extreme values")
 
     def _log_step_loss(self, loss: torch.Tensor, batch_size: int) -> None:
         """`train/loss_step`, at the steps Lightning writes to the loggers only.
@@ -217,11 +228,7 @@ class XMCClassifier(pl.LightningModule):
         reads stops every rank here: one rank raising alone would leave the others waiting in the collective."""
         bad = self._losses.flush()
         total, points, ranks_bad = self._over_ranks((*self._losses.totals(), float(bad is not None)))
-        self._stop_if_non_finite(bad)
-        if ranks_bad:
-            raise NonFiniteLossError(f"the training loss is not finite on another DDP rank (epoch "
-                                     f"{self.current_epoch}; its line says where); lower trainer.lr or check the "
-                                     "input features for extreme values")
+        self._stop_on_every_rank(bad, ranks_bad)
         return total, points
 
     def _over_ranks(self, values: tuple[float, ...]) -> tuple[float, ...]:
