@@ -87,7 +87,7 @@ def failure_message(error: BaseException, run_id: str | None = None, last_checkp
     elif is_contention(error):
         text = (f"{in_store} stayed locked by another process for {tracking.RETRY_SECONDS:.0f} s "
                 f"({short_error(error)}); " + then_go_on("let that process finish or stop it"))
-    elif isinstance(error, OSError) and error.errno in (errno.EROFS, errno.EACCES):
+    elif refused_by_the_os(error):
         where = f" {error.filename}" if error.filename else ""
         verb, fix = ("write", "make it writable") if error.errno == errno.EROFS else ("access", "fix its permissions")
         text = f"cannot {verb}{where} ({error.strerror}); " + then_go_on(fix)
@@ -131,10 +131,14 @@ def read_only_store(error: BaseException) -> bool:
     return "readonly database" in f"{error} {error.__cause__ or ''}"
 
 
+def refused_by_the_os(error: BaseException) -> bool:
+    """A read-only file system or a permission the OS denies."""
+    return isinstance(error, OSError) and error.errno in (errno.EROFS, errno.EACCES)
+
+
 def unwritable(error: BaseException) -> bool:
     """A disk or store that refuses writes (full, read-only, locked for good): a StorageError, in one line."""
-    return (disk_full(error) or read_only_store(error) or is_contention(error)
-            or (isinstance(error, OSError) and error.errno in (errno.EROFS, errno.EACCES)))
+    return disk_full(error) or read_only_store(error) or is_contention(error) or refused_by_the_os(error)
 
 
 def build_model(cfg: DictConfig, dm) -> XMCClassifier:
