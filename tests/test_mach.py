@@ -37,6 +37,19 @@ def test_hashing_is_seeded_and_the_hash_functions_differ():
     assert len({tuple(col.tolist()) for col in h.t()}) >= 298
 
 
+def test_a_models_hashing_follows_the_run_seed():
+    """Seeds spread a sweep's runs over different hash functions (the model's seed_everything), and one seed
+    gives the same hashing again, so runs repeat and a resumed run's hashing is the one it started with."""
+    from xmc_repro.model import XMCClassifier
+
+    def hashing(seed):
+        torch.manual_seed(seed)
+        return XMCClassifier(12, 200, head="mach", intermediate=None).head.indices
+
+    assert torch.equal(hashing(3), hashing(3))
+    assert not torch.equal(hashing(3), hashing(4))
+
+
 def test_decode_buffers_are_not_trained():
     head = MachHead(8, num_labels=50, num_hashes=2, num_buckets=10)
     names = {name for name, _ in head.named_parameters()}

@@ -41,8 +41,8 @@ class MachHead(nn.Module):
     The decode connectivity and weights are buffers: they move with the module but are never trained.
     """
 
-    def __init__(self, in_features: int, num_labels: int, num_hashes: int, num_buckets: int, seed: int = 0,
-                 decode: str = "probability"):
+    def __init__(self, in_features: int, num_labels: int, num_hashes: int, num_buckets: int,
+                 seed: int | None = None, decode: str = "probability"):
         super().__init__()
         choice(decode, "model.mach.decode", MACH_DECODINGS)
         self.decoding = decode
@@ -58,13 +58,15 @@ class MachHead(nn.Module):
         self.num_hashes = num_hashes
         self.num_buckets = num_buckets
         self.meta = nn.Linear(in_features, num_hashes * num_buckets)
+        if seed is None:  # drawn from torch's generator, so each run seed (seed_everything) hashes differently
+            seed = int(torch.randint(0, 2**62, ()))
         offsets = torch.arange(num_hashes, dtype=torch.int64).unsqueeze(1) * num_buckets
         buckets = hash_labels(num_labels, num_hashes, num_buckets, seed) + offsets
         self.register_buffer("indices", buckets.to(torch.int32))
         self.register_buffer("weight", torch.full((num_hashes, num_labels), 1.0 / num_hashes))
 
     @classmethod
-    def from_settings(cls, in_features: int, num_labels: int, mach: dict, seed: int = 0) -> MachHead:
+    def from_settings(cls, in_features: int, num_labels: int, mach: dict, seed: int | None = None) -> MachHead:
         """The head of a model config: its sizes and decoding in the `mach` section (conf/model/mach.yaml)."""
         return cls(in_features, num_labels, int(mach["num_hashes"]), int(mach["num_buckets"]), seed,
                    mach.get("decode", "probability"))
