@@ -259,6 +259,31 @@ def test_l2_and_tfidf_normalisation_do_not_overflow_near_float32_max():
     np.testing.assert_allclose(weighted, [[3 / 13**0.5, 2 / 13**0.5, 0], np.array([1, 2, 3]) / 14**0.5], rtol=1e-6)
 
 
+@pytest.mark.parametrize("dtype", [np.float32, np.float64, np.int64])
+def test_l2_normalisation_matches_a_dense_float64_reference(dtype):
+    """Odd shapes, empty rows, explicit zeros, negative values and a column listed twice in a row (summed)."""
+    from xmc_repro.data.features import normalize_rows
+
+    rng = np.random.default_rng(int(np.dtype(dtype).itemsize))
+    dense = rng.integers(-3, 9, (37, 23)).astype(dtype) * (rng.random((37, 23)) < 0.3)
+    dense[[0, 5, 36]] = 0
+    x = sp.csr_matrix(dense)
+    x.data[::7] = 0  # stored zeros
+    first = int(np.flatnonzero(x.data)[0])  # a nonzero entry, listed again at the end of its row (the CSR
+    r = int(np.searchsorted(x.indptr, first, side="right")) - 1  # arrays written directly)
+    end = x.indptr[r + 1]
+    twice = sp.csr_matrix((np.insert(x.data, end, 5), np.insert(x.indices, end, x.indices[first]),
+                           x.indptr + (np.arange(38) > r)), shape=x.shape)
+    assert twice.nnz == x.nnz + 1 and twice.toarray()[r].sum() == x.toarray()[r].sum() + 5
+    for given in (x, twice):
+        reference = given.toarray().astype(np.float64)  # toarray sums a repeated column
+        norms = np.linalg.norm(reference, axis=1, keepdims=True)
+        expected = np.divide(reference, norms, out=np.zeros_like(reference), where=norms > 0)
+        got = normalize_rows(given, "l2")
+        assert got.dtype == np.float32 and got.shape == x.shape
+        np.testing.assert_allclose(got.toarray(), expected, rtol=1e-6, atol=1e-7)
+
+
 def test_labels_out_of_order_are_sorted_and_named_in_one_warning(tmp_path):
     from xmc_repro.data.sources import load_splits
 

@@ -66,18 +66,31 @@ def check_finite(x: np.ndarray, path) -> None:
 
 
 def normalize_rows(x: sp.csr_matrix, how: str) -> sp.csr_matrix:
-    """Bag-of-words rows scaled to unit L2 norm (``l2``) or left as they are (``none``)."""
+    """Bag-of-words rows scaled to unit L2 norm (``l2``) or left as they are (``none``); float32."""
     if how == "none":
         return x
-    # Each row is divided by its largest |value| first: squaring float32 values near 3e38 would overflow to
-    # inf and turn the whole row into zeros. A float64 input (tf-idf products) is kept as it is until scaled.
-    x = sp.csr_matrix(x, dtype=np.float64 if x.dtype == np.float64 else np.float32)
-    peak = np.asarray(abs(x).max(axis=1).todense(), np.float64).ravel()
-    peak[peak == 0] = 1.0
-    scaled = sp.diags(1.0 / peak) @ x.astype(np.float64)
-    norms = np.sqrt(np.asarray(scaled.multiply(scaled).sum(axis=1)).ravel())
-    norms[norms == 0] = 1.0
-    return sp.csr_matrix(sp.diags(1.0 / norms) @ scaled, dtype=np.float32)
+    x = sp.csr_matrix(x)
+    if not x.has_canonical_format:  # a column listed twice in a row counts as one entry, their sum
+        x = x.copy()
+        x.sum_duplicates()
+    nnz = x.indptr[-1]
+    counts = np.diff(x.indptr)
+    # Each row is divided by its largest |value| first, in the input's precision: squaring float32 values near 3e38
+    # would overflow to inf and zero the row (a float64 input, tf-idf products, may exceed float32's range). Done on
+    # the values array, in float32 after that division: scipy's products made several float64 copies of the matrix.
+    values = x.data[:nnz] if x.data.dtype == np.float64 else x.data[:nnz].astype(np.float32, copy=False)
+    peak = np.zeros(x.shape[0], values.dtype)
+    rows = np.flatnonzero(counts)
+    if nnz:
+        peak[rows] = np.maximum.reduceat(np.abs(values), x.indptr[rows])
+    peak[peak == 0] = 1
+    unit = (values / np.repeat(peak, counts)).astype(np.float32, copy=False)
+    norm = np.ones(x.shape[0], np.float32)
+    if nnz:
+        norm[rows] = np.sqrt(np.add.reduceat(unit * unit, x.indptr[rows], dtype=np.float64))
+    norm[norm == 0] = 1
+    unit /= np.repeat(norm, counts)
+    return sp.csr_matrix((unit, x.indices[:nnz].copy(), x.indptr.copy()), shape=x.shape)
 
 
 def inverse_document_frequency(train: sp.csr_matrix) -> np.ndarray:
