@@ -492,3 +492,49 @@ def test_a_second_ctrl_c_while_the_run_is_marked_failed_says_it_shows_running(mo
                                       f"FAILED: it shows RUNNING; resume={run.info.run_id} continues or closes it")
     monkeypatch.undo()
     RunTracker(cfg.logger.tracking_uri, "xmc_repro", run_id=run.info.run_id).finish("FAILED", "closed by the test")
+
+
+def test_a_run_failed_by_a_locked_store_is_closed_briefly_or_said_to_show_running(monkeypatch, tmp_path, store):
+    """A run that failed because its store stayed locked for the whole retry window then waited that window again,
+    on the same lock, to be marked FAILED: ten more minutes of silence before the same news."""
+    import sqlite3
+
+    from mlflow.tracking import MlflowClient
+
+    from xmc_repro import tracking, train
+    from xmc_repro.tracking import RunTracker
+
+    monkeypatch.chdir(tmp_path)
+    copy_store(store, tmp_path)
+    locked = []
+
+    def fit_locked_out(*args, **kwargs):  # the store stays locked from here on
+        locked.append(True)
+        raise sqlite3.OperationalError("database is locked")
+
+    def store_call(original):
+        def call(self, *args, **kwargs):
+            if locked:
+                raise sqlite3.OperationalError("database is locked")
+            return original(self, *args, **kwargs)
+        return call
+
+    monkeypatch.setattr(tracking, "RETRY_SECONDS", 30.0)
+    monkeypatch.setattr(tracking, "CLOSE_RETRY_SECONDS", 0.5)
+    monkeypatch.setattr(train, "_fit_and_test", fit_locked_out)
+    for name in ("log_batch", "set_terminated"):
+        monkeypatch.setattr(MlflowClient, name, store_call(getattr(MlflowClient, name)))
+    cfg = tiny_config(tmp_path / "mlruns.db")
+    began = time.monotonic()
+    with pytest.raises(train.StorageError) as info:
+        train.run(cfg)
+    assert time.monotonic() - began < 10  # not RETRY_SECONDS again
+    (run,) = runs(tmp_path)
+    assert run.info.status == "RUNNING"  # the store never let the close in
+    message = info.value.run_failure
+    assert "\n" not in message and message.startswith(f"the MLflow store {cfg.logger.tracking_uri} stayed locked")
+    assert message.endswith(f"the MLflow run could not be marked FAILED (OperationalError: database is locked) and "
+                            f"shows RUNNING: once the store is writable, resume={run.info.run_id} continues or "
+                            "closes it")
+    monkeypatch.undo()
+    RunTracker(cfg.logger.tracking_uri, "xmc_repro", run_id=run.info.run_id).finish("FAILED", "closed by the test")

@@ -45,6 +45,9 @@ except ImportError:  # not POSIX: no lock, the retries still apply
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
 MAX_PARAM_CHARS = 6000  # MLflow's limit on a param value
 RETRY_SECONDS = 600.0  # give up on a locked store after this long
+# Closing a run that failed because its store stayed locked for RETRY_SECONDS: a few more seconds, not another
+# RETRY_SECONDS on the same lock (each try may also wait out SQLite's own busy timeout, 20 s in MLflow).
+CLOSE_RETRY_SECONDS = 5.0
 _CONTENTION = ("database is locked", "database table is locked", "database schema has changed",
                # two jobs logging the same dataset at once: the loser's retry finds the row and links to it
                "unique constraint failed: datasets.")
@@ -92,12 +95,15 @@ def short_error(error: BaseException) -> str:
     return f"{type(error).__name__}: {text}"[:300]
 
 
-def with_retries(fn, *args, while_waiting=None, **kwargs):
-    """fn(*args, **kwargs), retried with exponential backoff and jitter while the store is locked.
+def with_retries(fn, *args, while_waiting=None, deadline=None, **kwargs):
+    """fn(*args, **kwargs), retried with exponential backoff and jitter while the store is locked, until `deadline`
+    (`time.monotonic()`; default RETRY_SECONDS from now).
 
     `while_waiting()`, if given, is called after each failed attempt and each wait; it may raise to give up (a Ctrl+C
     that came meanwhile: a failed attempt wrote nothing)."""
-    delay, deadline = 0.05, time.monotonic() + RETRY_SECONDS
+    delay = 0.05
+    if deadline is None:
+        deadline = time.monotonic() + RETRY_SECONDS
     while True:
         try:
             return fn(*args, **kwargs)
@@ -356,10 +362,10 @@ class RunTracker:
         if batch:
             with_retries(self.client.log_batch, self.run_id, params=batch)
 
-    def set_tags(self, tags: dict[str, str | None]) -> None:
+    def set_tags(self, tags: dict[str, str | None], deadline: float | None = None) -> None:
         tag_list = [RunTag(k, str(v)) for k, v in tags.items() if v is not None]
         if tag_list:
-            with_retries(self.client.log_batch, self.run_id, tags=tag_list)
+            with_retries(self.client.log_batch, self.run_id, tags=tag_list, deadline=deadline)
 
     def log_metrics(self, metrics: dict[str, float], step: int = 0) -> None:
         """Log at `step`; in a reopened run, a value already logged at that step is not logged again (a run killed
@@ -376,13 +382,16 @@ class RunTracker:
     def lightning_logger(self) -> MLFlowLogger:
         return _RunOwnedMLFlowLogger(tracking_uri=self.tracking_uri, run_id=self.run_id, resumed=self.reopened)
 
-    def finish(self, status: str = "FINISHED", message: str | None = None, tags: dict[str, str] | None = None) -> None:
-        """Close the run; a FAILED run gets the one-line `message` as tag `error` (plus any `tags`)."""
+    def finish(self, status: str = "FINISHED", message: str | None = None, tags: dict[str, str] | None = None,
+               retry_seconds: float | None = None) -> None:
+        """Close the run; a FAILED run gets the one-line `message` as tag `error` (plus any `tags`). `retry_seconds`:
+        how long a locked store is waited for, all writes together (default RETRY_SECONDS each)."""
+        deadline = None if retry_seconds is None else time.monotonic() + retry_seconds
         extra = dict(tags or {})
         if message:
             extra["error"] = message[:5000]
-        self.set_tags(extra)
-        with_retries(self.client.set_terminated, self.run_id, status)
+        self.set_tags(extra, deadline)
+        with_retries(self.client.set_terminated, self.run_id, status, deadline=deadline)
         self.closed_as = status
 
     def log_dataset(self, dataset_cfg: DictConfig, datamodule) -> None:

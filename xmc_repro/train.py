@@ -375,8 +375,10 @@ def _run_and_record(cfg: DictConfig, resume_from: Path | None, run_id: str | Non
         trainer = progress.get("trainer")
         tags = {"failed_at_step": trainer.global_step} if trainer is not None else {}
         message = failure_message(error, tracker.run_id, checkpoint_dir / checkpoints.LAST, tracker.tracking_uri)
+        # A store found locked for the whole retry window: a few seconds more, not another window on the same lock.
+        retry = tracking.CLOSE_RETRY_SECONDS if is_contention(error) else None
         try:
-            tracker.finish("FAILED", message, tags)
+            tracker.finish("FAILED", message, tags, retry_seconds=retry)
         except Exception as store_error:  # e.g. the store's disk is full too: say so in the same line
             message += (f"; the MLflow run could not be marked FAILED ({short_error(store_error)[:200]}) and shows "
                         f"RUNNING: once the store is writable, resume={tracker.run_id} continues or closes it")
