@@ -3,6 +3,7 @@ first checkpoint is closed as FAILED by `resume=`, an unreachable tracking serve
 
 from __future__ import annotations
 
+import os
 import shutil
 import signal
 import socket
@@ -258,6 +259,53 @@ def test_sigterm_to_a_sweeps_own_process_stops_it_as_ctrl_c_does(tmp_path):
     _, stderr = process.communicate(timeout=60)
     assert process.returncode == 143 and stderr_lines(stderr) == ["error: interrupted (SIGTERM)"], stderr
     assert not list(tmp_path.glob("multirun/.*"))  # the sweep's bookkeeping files are gone
+
+
+SWEEP_WRITING = """
+import os, sys, time
+import xmc_repro.entry as entry
+from xmc_repro.cli import STARTED_RUNS_ENV
+
+wait = float(sys.argv[1])
+
+
+def task():  # a job's bookkeeping (its outcome, its run), then `wait` seconds
+    entry._record_outcome("ok")
+    with open(os.environ[STARTED_RUNS_ENV], "a") as handle:
+        handle.write("r1\\tsqlite:///mlruns.db\\tcheckpoints/r1\\n")
+    print("written", flush=True)
+    time.sleep(wait)
+
+entry._task = task
+sys.argv = ["xmc_repro", "-m", "seed=1,2"]
+entry.main()
+"""
+
+
+def test_a_sweep_killed_with_sigkill_leaves_files_the_next_start_removes(tmp_path):
+    """A sweep killed with SIGKILL cannot remove its hidden files in multirun/: they piled up there, one pair per
+    killed sweep. The next start removes those of this host whose process is gone, and only those."""
+    from xmc_repro import sweep_files
+
+    (tmp_path / "sweep.py").write_text(SWEEP_WRITING)
+    killed = subprocess.Popen([sys.executable, str(tmp_path / "sweep.py"), "120"], cwd=tmp_path, env=cli_env(),
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert killed.stdout.readline() == "written\n", killed.stderr.read()[-2000:]
+    killed.kill()
+    killed.communicate(timeout=60)
+    folder = tmp_path / "multirun"
+    stale = sorted(p.name for p in folder.iterdir())
+    assert len(stale) == 2 and all(f"-{killed.pid}-" in name for name in stale), stale
+    legacy = folder / f".runs-{killed.pid}-0123abcd.txt"  # named as before the host was part of the name
+    live = folder / f".outcomes-{sweep_files._host()}-{os.getpid()}-89abcdef.txt"  # this process's: alive
+    elsewhere = folder / f".runs-otherhost-{killed.pid}-456789ab.txt"  # another machine's sweep in a shared folder
+    other = folder / ".notes.txt"
+    for path in (legacy, live, elsewhere, other):
+        path.write_text("r2\n")
+    done = subprocess.run([sys.executable, str(tmp_path / "sweep.py"), "0"], cwd=tmp_path, env=cli_env(),
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and done.stdout == "written\n", done.stderr[-2000:]
+    assert sorted(folder.iterdir()) == sorted([live, elsewhere, other])  # and none of the finished sweep's own
 
 
 SIGTERM_HANDLER = """

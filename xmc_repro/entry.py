@@ -15,7 +15,6 @@ import re
 import signal
 import sys
 import traceback
-import uuid
 import warnings
 from pathlib import Path
 
@@ -323,11 +322,11 @@ def main() -> None:
     if os.environ.get(OUTCOMES_ENV):  # started by a sweep's own process (a launcher's job): that one reports
         _run_task()
         return
+    from xmc_repro import sweep_files
     from xmc_repro.cli import STARTED_RUNS_ENV
 
-    sweep = f"{os.getpid()}-{uuid.uuid4().hex[:8]}"  # a pid alone is reused, and a killed sweep leaves its files
-    outcomes = Path.cwd() / "multirun" / f".outcomes-{sweep}.txt"
-    started = outcomes.with_name(f".runs-{sweep}.txt")
+    sweep_files.remove_stale(Path.cwd() / "multirun")  # those of sweeps killed before they could remove them
+    outcomes, started = sweep_files.paths(Path.cwd() / "multirun")
     os.environ[OUTCOMES_ENV] = str(outcomes)  # jobs in other processes inherit it
     os.environ[STARTED_RUNS_ENV] = str(started)
     if not _rank_prefix():  # a run replaces it while open, then puts it back

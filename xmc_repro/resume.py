@@ -17,6 +17,7 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 from xmc_repro import checkpoints
 from xmc_repro.cli import STARTED_RUNS_ENV
 from xmc_repro.errors import ConfigError, StorageError
+from xmc_repro.sweep_files import alive
 from xmc_repro.validation import implied_before
 
 CHECKPOINT_ROOT = Path("checkpoints")
@@ -101,7 +102,7 @@ def close_unstarted(tracking_uri: str, run_id: str) -> str | None:
     pid, _, place = run.data.tags.get(STARTED_BY, "").partition("@")
     if run.info.status != "RUNNING" or not pid.isdigit() or place != started_by().partition("@")[2]:
         return None
-    if _alive(int(pid), run.info.start_time):
+    if alive(int(pid), run.info.start_time / 1000 if run.info.start_time is not None else None):
         return (f"run {run_id} is still being started by process {pid}; wait for its first checkpoint (every epoch, "
                 "or trainer.checkpoint_every_n_steps)")
     return _mark_failed(client, run_id)
@@ -127,22 +128,6 @@ def _stored_run(tracking_uri: str, run_id: str):
         reason = short_error(error)
     raise StorageError(f"resume={run_id}: cannot read the run from the MLflow store {tracking_uri} ({reason}); "
                        "once the store can be read, resume again")
-
-
-def _alive(pid: int, run_started_ms: int | None) -> bool:
-    """Whether the process that created a run (started at `run_started_ms`) may still be running. A pid is reused:
-    a process created after the run (after a reboot or a container's restart, this very process included) is not
-    the one that created it. psutil, not os.kill(pid, 0): on Windows that terminates the process."""
-    import psutil
-
-    try:
-        created = psutil.Process(pid).create_time()
-    except (psutil.NoSuchProcess, psutil.ZombieProcess):
-        return False
-    except psutil.AccessDenied:  # another user's process: it may be the one
-        return True
-    # 2 s of slack: psutil derives a start time from the boot time, which a clock adjustment can shift
-    return run_started_ms is None or created <= run_started_ms / 1000 + 2
 
 
 def _mark_failed(client, run_id: str) -> str:
