@@ -59,6 +59,28 @@ def test_keys_added_with_plus_that_some_config_declares_pass():
     assert "--cfg job" in added_setting(["+zzz.q=1"])
 
 
+def test_a_sweeps_job_is_named_by_the_overrides_its_sweep_varies(tmp_path):
+    """A failed job's line repeated every override of the sweep (every job's alike but one value), twice per failure
+    with the sweep's last line: hundreds of characters before the reason."""
+    from omegaconf import OmegaConf
+
+    from xmc_repro.cli import swept_overrides
+
+    job = ["dataset=bibtex", "+experiment/row=dense", "experiment=table1", "seed=1", "trainer.max_epochs=1"]
+    hydra = OmegaConf.create({"runtime": {"cwd": str(tmp_path)}, "sweep": {"dir": "multirun/1"},
+                              "overrides": {"task": job}})
+    assert swept_overrides(hydra) == job  # no multirun.yaml (another sweeper): the whole command line
+    (tmp_path / "multirun" / "1").mkdir(parents=True)
+    OmegaConf.save({"hydra": {"sweeper": {"params": {"dataset": "bibtex,delicious", "+experiment/row": "dense,mach"}},
+                              "overrides": {"task": ["experiment=table1", "seed=range(0,3)", "trainer.max_epochs=1"]}}},
+                   tmp_path / "multirun" / "1" / "multirun.yaml")
+    assert swept_overrides(hydra) == ["dataset=bibtex", "+experiment/row=dense", "seed=1"]
+    OmegaConf.save({"hydra": {"sweeper": {"params": {"dataset": "bibtex,delicious", "+experiment/row": "dense,mach"}},
+                              "overrides": {"task": ["experiment=table1", "dataset=bibtex", "seed=1"]}}},
+                   tmp_path / "multirun" / "1" / "multirun.yaml")
+    assert swept_overrides(hydra) == ["+experiment/row=dense"]  # the command line pins the preset's dataset
+
+
 def test_a_key_without_any_close_match_lists_the_keys_there(tmp_path):
     result = cli(tmp_path, ["model.zzz=1"], timeout=60)
     assert result.returncode == 2

@@ -168,8 +168,10 @@ def test_failed_job_does_not_stop_its_sweep(tmp_path, store):
     errors = [line for line in stderr_lines(result.stderr) if line.startswith("error:")]
     assert "Traceback" not in result.stderr, result.stderr[-2000:]
     assert len(errors) == 2, errors
-    assert errors[0].startswith("error: job #1 (") and "connectivity=100 exceeds" in errors[0]
-    assert errors[1].startswith("error: sweep finished; 1 of 3 jobs failed: #1 (")
+    # The job is named by its number and the setting the sweep varies, not by the sweep's every override.
+    assert errors[0].startswith("error: job #1 (model.connectivity=100): connectivity=100 exceeds"), errors
+    assert errors[0].endswith("or use a dense layer (model=dense)"), errors  # the fix stays
+    assert errors[1] == f"error: sweep finished; 1 of 3 jobs failed: {errors[0].removeprefix('error: job ')}"
     by_connectivity = {r.data.params["model/connectivity"]: r for r in runs(tmp_path)}
     assert {k: r.info.status for k, r in by_connectivity.items()} == {"8": "FINISHED", "100": "FAILED", "4": "FINISHED"}
     assert "exceeds" in by_connectivity["100"].data.tags["error"]

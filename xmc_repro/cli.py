@@ -8,6 +8,7 @@ from __future__ import annotations
 import difflib
 import re
 import textwrap
+from pathlib import Path
 
 from omegaconf import OmegaConf
 
@@ -218,6 +219,26 @@ def task_overrides(hydra_config) -> list[str]:
     """The command line's overrides as given: Hydra keeps them in its config, where a `${...}` in one would be
     resolved on reading, and one that does not resolve would raise instead of being reported by `validate`."""
     return OmegaConf.to_container(hydra_config.overrides.task, resolve=False)
+
+
+def swept_overrides(hydra_config) -> list[str]:
+    """This job's overrides of the settings its sweep varies (`model.connectivity=100` of `model.connectivity=8,100,4`
+    or of a preset's `hydra.sweeper.params`): what tells it from the sweep's other jobs, whose settings Hydra's log
+    lists in full as each starts. The sweep's overrides are read from the `multirun.yaml` Hydra's sweeper writes in
+    the sweep's folder; without it (another sweeper), all of the job's."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    job = task_overrides(hydra_config)
+    try:
+        sweep = OmegaConf.load(Path(hydra_config.runtime.cwd) / hydra_config.sweep.dir / "multirun.yaml").hydra
+        params = OmegaConf.to_container(sweep.sweeper.get("params") or OmegaConf.create(), resolve=False)
+        given = [f"{key}={value}" for key, value in params.items()] + task_overrides(sweep)
+        parser = OverridesParser.create()
+        # In order, as Hydra's sweeper reads them: a command line's `dataset=bibtex` pins a preset's swept dataset
+        swept = {o.get_key_element(): o.is_sweep_override() for o in parser.parse_overrides(given)}
+        return [text for text, o in zip(job, parser.parse_overrides(job)) if swept.get(o.get_key_element())]
+    except Exception:  # a display: the job's whole command line rather than a failure of its own
+        return job
 
 
 def grid_without_multirun(hydra_config) -> str | None:

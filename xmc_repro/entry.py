@@ -72,8 +72,8 @@ def print_summary(cfg: DictConfig, results: dict) -> None:
                   soft_wrap=True, markup=False, highlight=False)
 
 
-def _sweep_job() -> str | None:
-    """`#<num> (<overrides>)` for a job of a Hydra multirun; None for a single run."""
+def _sweep_config():
+    """Hydra's config of a job of a multirun; None for a single run."""
     from hydra.core.hydra_config import HydraConfig
     from hydra.types import RunMode
 
@@ -81,11 +81,18 @@ def _sweep_job() -> str | None:
         hc = HydraConfig.get()
     except ValueError:
         return None
-    if hc.mode != RunMode.MULTIRUN:
-        return None
-    from xmc_repro.cli import task_overrides
+    return hc if hc.mode == RunMode.MULTIRUN else None
 
-    return f"#{hc.job.num} ({' '.join(task_overrides(hc)) or 'defaults'})"
+
+def _sweep_job() -> str | None:
+    """`#<num> (<the overrides the sweep varies>)` for a job of a Hydra multirun; None for a single run."""
+    hc = _sweep_config()
+    if hc is None:
+        return None
+    from xmc_repro.cli import swept_overrides
+
+    varied = swept_overrides(hc)
+    return f"#{hc.job.num}" + (f" ({' '.join(varied)})" if varied else "")
 
 
 @hydra.main(version_base="1.3", config_path=str(resource_dir("conf")), config_name="config")
@@ -138,7 +145,7 @@ def _task(cfg: DictConfig):
         code = getattr(error, "code", None)
         fallback = code if isinstance(code, int) and code else 1
         sys.exit({"SIGTERM": 143, "Ctrl+C": 130}.get(interruption(error), fallback))
-    if _sweep_job() is not None:
+    if _sweep_config() is not None:
         _record_outcome("ok")
     if results:  # empty on DDP ranks other than 0, which record and report nothing
         try:
