@@ -8,7 +8,7 @@ import sys
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import generator
+from conftest import generator, label_lists
 
 from xmc_repro.errors import ConfigError
 from xmc_repro.losses import TrainingLossLog, bce_loss, dense_targets, squared_hinge_loss
@@ -272,3 +272,45 @@ def test_losses_accept_non_contiguous_scores():
         fn(contiguous, label_ptr, label_idx).backward()
         torch.testing.assert_close(expected_grad, contiguous.grad.t())
         scores_t.grad = None
+
+
+def bce64(scores, y):
+    """Float64 BCE with logits written per class, so that +-inf scores have their limits (torch's formula takes
+    (1 - y) s, which is 0 * inf = NaN at a positive of score +inf)."""
+    s = scores.double()
+    return torch.where(y > 0, F.softplus(-s), F.softplus(s)).mean()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["f32", "f64"])
+@pytest.mark.parametrize("chunk", [1 << 22, 40], ids=["one-slice", "slices"])
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_bce_of_infinite_and_huge_scores_matches_float64(monkeypatch, seed, chunk, dtype):
+    """A positive at +inf has a loss of 0 (softplus(inf) - inf gave NaN); positives at |s| up to float32's largest
+    are not summed as negatives and taken off again (which cancelled the other terms away); a positive's gradient
+    -sigmoid(-s) keeps its digits where sigmoid(s) - 1 rounds to 0."""
+    import xmc_repro.losses as losses
+
+    monkeypatch.setattr(losses, "_CHUNK", chunk)
+    g = generator(100 + seed)
+    b, L = 7 + 2 * seed, 13 + 6 * seed  # odd shapes
+    scores = torch.randn(b, L, generator=g, dtype=torch.float64) * 4
+    ptr, idx = label_lists(g, b, L, most=5)
+    y = dense_targets(ptr, idx, L, dtype=torch.float64)
+    pos, neg = y.view(-1).nonzero().squeeze(1), (y.view(-1) == 0).nonzero().squeeze(1)
+    pos, neg = pos[torch.randperm(len(pos), generator=g)], neg[torch.randperm(len(neg), generator=g)]
+    scores.view(-1)[pos[:6]] = torch.tensor([float("inf"), 1e30, 1e12, 3e8, 25.0, 12.0], dtype=torch.float64)
+    scores.view(-1)[neg[:3]] = torch.tensor([-float("inf"), -1e30, -3e8], dtype=torch.float64)
+    scores = scores.to(dtype).requires_grad_()
+    loss = bce_loss(scores, ptr, idx)
+    (grad,) = torch.autograd.grad(loss, scores)
+    ref_scores = scores.detach().double().requires_grad_()
+    want = bce64(ref_scores, y)
+    (want_grad,) = torch.autograd.grad(want, ref_scores)
+    assert loss.dtype == dtype and torch.isfinite(want)
+    tol = 1e-6 if dtype == torch.float32 else 1e-12
+    torch.testing.assert_close(loss.double(), want, rtol=tol, atol=0)
+    torch.testing.assert_close(grad.double(), want_grad, rtol=10 * tol, atol=0)
+    for at in (pos[0], neg[0]):  # a NaN score still gives a NaN loss (the non-finite loss watch)
+        bad = scores.detach().clone()
+        bad.view(-1)[at] = float("nan")
+        assert bce_loss(bad, ptr, idx).isnan()

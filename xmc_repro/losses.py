@@ -81,13 +81,27 @@ def _acc(scores: torch.Tensor) -> torch.dtype:
     return torch.promote_types(scores.dtype, torch.float32)
 
 
-def _rowwise_sum(scores: torch.Tensor, fn) -> torch.Tensor:
-    """sum(fn(scores)), slice by slice of rows, computed in the accumulation dtype and summed in float64."""
+def _bce_sum(scores: torch.Tensor, positives: torch.Tensor) -> torch.Tensor:
+    """The float64 sum of softplus(s) over the negatives and softplus(-s) over the distinct positives (sorted).
+
+    The positives' entries are set to 0 in each slice's softplus before it is summed, rather than summed and taken
+    off again: softplus(s) ~ s at a positive of score s beyond ~1e8 would cancel the other terms away, and at
+    s = +inf give inf - inf (NaN) where the loss is 0. Slices of rows cap the (slice, labels) temporary."""
     b, n = scores.shape
+    flat, acc = scores.reshape(-1), _acc(scores)
+    own = F.softplus(-flat[positives].to(torch.float64))  # a positive's exact term: 0 at s = +inf
+    total = own.where(first_occurrences(positives), 0).sum()
     step = max(1, _CHUNK // max(n, 1))
-    total = torch.zeros((), dtype=torch.float64, device=scores.device)
-    for lo in range(0, b, step):
-        total = total + fn(scores[lo : lo + step].to(_acc(scores))).sum(dtype=torch.float64)
+    # Each positive's slice and place in it, for all slices at once (a few small ops, not a few per slice).
+    slices = torch.arange(-(-b // step), device=scores.device).unsqueeze(1)
+    inside = positives.div(step * n, rounding_mode="floor") == slices
+    local = torch.where(inside, positives - slices * (step * n), 0)
+    # softplus >= 0, so a minimum with 0 clears a positive's entry; +inf (another slice's positive) leaves it.
+    clear = torch.zeros((), dtype=acc, device=scores.device).where(inside, float("inf"))
+    for i, lo in enumerate(range(0, b, step)):
+        terms = F.softplus(scores[lo : lo + step].to(acc)).view(-1)
+        terms.scatter_reduce_(0, local[i], clear[i], "amin")
+        total = total + terms.sum(dtype=torch.float64)
     return total
 
 
@@ -128,22 +142,21 @@ class _SquaredHinge(torch.autograd.Function):
 class _BCE(torch.autograd.Function):
     @staticmethod
     def forward(ctx, scores, positives):
-        s_pos = scores.reshape(-1)[positives].to(torch.float64)
-        # In float64: a well-classified positive's softplus(s) ~ s is summed with the rest, then s taken off again.
-        total = _rowwise_sum(scores, F.softplus) - s_pos.where(first_occurrences(positives), 0).sum()
         ctx.save_for_backward(scores, positives)
-        return (total / scores.numel()).to(_acc(scores))
+        return (_bce_sum(scores, positives) / scores.numel()).to(_acc(scores))
 
     @staticmethod
     def backward(ctx, grad_out):
         scores, positives = ctx.saved_tensors
-        scale = grad_out / scores.numel()
+        scale = (grad_out / scores.numel()).to(scores.dtype)
+        # A positive's term softplus(-s) has the derivative -sigmoid(-s), exact where sigmoid(s) - 1 rounds to 0
+        # (s beyond ~17 in float32). It is <= 0 <= sigmoid(s), so a minimum writes it, whatever the repeats.
+        own = -torch.sigmoid(-scores.reshape(-1)[positives])
         grad = torch.sigmoid(scores)
-        # In place unless create_graph=True: sigmoid's own backward then reads its output.
-        grad = grad * scale.to(scores.dtype) if torch.is_grad_enabled() else grad.mul_(scale.to(scores.dtype))
-        flat = grad.view(-1)
-        flat[positives] = flat[positives] - scale.to(grad.dtype)  # gathered before written: repeats write once
-        return grad, None
+        if torch.is_grad_enabled():  # create_graph=True: out of place (sigmoid's own backward reads its output)
+            return grad.reshape(-1).scatter_reduce(0, positives, own, "amin").view_as(scores) * scale, None
+        grad.view(-1).scatter_reduce_(0, positives, own, "amin")
+        return grad.mul_(scale), None
 
 
 def squared_hinge_from_positions(scores: torch.Tensor, positives: torch.Tensor, root: bool = False) -> torch.Tensor:
