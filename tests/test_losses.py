@@ -314,3 +314,33 @@ def test_bce_of_infinite_and_huge_scores_matches_float64(monkeypatch, seed, chun
         bad = scores.detach().clone()
         bad.view(-1)[at] = float("nan")
         assert bce_loss(bad, ptr, idx).isnan()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["f32", "f64"])
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_positive_list_forms_take_any_order_repeats_and_padding_alike(seed, dtype):
+    """Both losses' `from_positions` take the flat positions in any order, a repeat counted once and entries < 0 as
+    padding (a CUDA graph's fixed-capacity list), against the float64 formula on the dense target."""
+    from xmc_repro.losses import bce_from_positions, flat_keys, squared_hinge_from_positions
+
+    g = generator(200 + seed)
+    b, L = 5 + 2 * seed, 11 + 4 * seed
+    scores = torch.randn(b, L, generator=g, dtype=dtype) * 3
+    ptr, idx = label_lists(g, b, L, most=4, least=1)
+    keys = flat_keys(ptr, idx, L)
+    listed = torch.cat([keys, keys[: 1 + seed], torch.full((3 + seed,), -1)])  # repeats and padding
+    listed = listed[torch.randperm(len(listed), generator=g)]
+    if listed[-1] >= 0:  # padding last too: it must not read or write the last entry
+        listed = torch.cat([listed, torch.tensor([-1])])
+    y = dense_targets(ptr, idx, L, dtype=torch.float64)
+    for form, name in ((bce_from_positions, "bce"), (squared_hinge_from_positions, "squared_hinge")):
+        assert getattr(form, "any_order", False)
+        leaf = scores.clone().requires_grad_()
+        loss = form(leaf, listed)
+        (grad,) = torch.autograd.grad(loss, leaf)
+        ref = scores.double().requires_grad_()
+        want = formula(name, ref, y)
+        (want_grad,) = torch.autograd.grad(want, ref)
+        tol = dict(rtol=1e-6, atol=1e-7) if dtype == torch.float32 else dict(rtol=1e-12, atol=1e-15)
+        torch.testing.assert_close(loss.double(), want, **tol)
+        torch.testing.assert_close(grad.double(), want_grad, **tol)

@@ -51,7 +51,8 @@ def test_capacity_is_a_power_of_two_that_holds_the_count(count, capacity):
 
 @pytest.mark.parametrize("loss", ["squared_hinge", "bce"])
 def test_both_losses_have_a_positive_list_form_that_matches(loss):
-    """The graph calls `from_positions` with a padded list: same value and gradient as the label-list form."""
+    """The graph calls `from_positions` with a padded list: same value and gradient as the label-list form. Both
+    take the list order padded with -1 (as the graph calls them), and still the sorted list padded with its last."""
     gen = generator(1)
     scores = torch.randn(5, 11, generator=gen, dtype=torch.float64, requires_grad=True)
     ptr, idx = label_lists(gen, 5, 11, most=3, least=1)
@@ -59,13 +60,13 @@ def test_both_losses_have_a_positive_list_form_that_matches(loss):
     want = fn(scores, ptr, idx)
     (want_grad,) = torch.autograd.grad(want, scores)
     form = loss_from_positions(fn)
-    assert getattr(form, "any_order", False) == (loss == "squared_hinge")  # as the graph will call it
-    padded = padded_positions(ptr[1:].clone(), _buffer(idx, capacity_for(idx.numel())), 11,
-                              sort=not getattr(form, "any_order", False))
-    got = form(scores, padded)
-    (got_grad,) = torch.autograd.grad(got, scores)
-    torch.testing.assert_close(got, want)
-    torch.testing.assert_close(got_grad, want_grad)
+    assert getattr(form, "any_order", False)  # the graph calls it with -1 padding, unsorted
+    for sort in (False, True):
+        padded = padded_positions(ptr[1:].clone(), _buffer(idx, capacity_for(idx.numel())), 11, sort=sort)
+        got = form(scores, padded)
+        (got_grad,) = torch.autograd.grad(got, scores)
+        torch.testing.assert_close(got, want)
+        torch.testing.assert_close(got_grad, want_grad)
 
 
 def _fake_model(**overrides):

@@ -82,19 +82,21 @@ def _acc(scores: torch.Tensor) -> torch.dtype:
 
 
 def _bce_sum(scores: torch.Tensor, positives: torch.Tensor) -> torch.Tensor:
-    """The float64 sum of softplus(s) over the negatives and softplus(-s) over the distinct positives (sorted).
+    """The float64 sum of softplus(s) over the negatives and softplus(-s) over the distinct positives (flat
+    positions in any order; entries < 0 are padding).
 
     The positives' entries are set to 0 in each slice's softplus before it is summed, rather than summed and taken
     off again: softplus(s) ~ s at a positive of score s beyond ~1e8 would cancel the other terms away, and at
     s = +inf give inf - inf (NaN) where the loss is 0. Slices of rows cap the (slice, labels) temporary."""
     b, n = scores.shape
     flat, acc = scores.reshape(-1), _acc(scores)
-    own = F.softplus(-flat[positives].to(torch.float64))  # a positive's exact term: 0 at s = +inf
-    total = own.where(first_occurrences(positives), 0).sum()
+    p = torch.sort(positives).values  # padding first, a repeat next to its first occurrence
+    own = F.softplus(-flat[p.clamp(min=0)].to(torch.float64))  # a positive's exact term: 0 at s = +inf
+    total = own.where(first_occurrences(p) & (p >= 0), 0).sum()
     step = max(1, _CHUNK // max(n, 1))
     # Each positive's slice and place in it, for all slices at once (a few small ops, not a few per slice).
     slices = torch.arange(-(-b // step), device=scores.device).unsqueeze(1)
-    inside = positives.div(step * n, rounding_mode="floor") == slices
+    inside = positives.div(step * n, rounding_mode="floor") == slices  # padding lies in no slice
     local = torch.where(inside, positives - slices * (step * n), 0)
     # softplus >= 0, so a minimum with 0 clears a positive's entry; +inf (another slice's positive) leaves it.
     clear = torch.zeros((), dtype=acc, device=scores.device).where(inside, float("inf"))
@@ -150,12 +152,14 @@ class _BCE(torch.autograd.Function):
         scores, positives = ctx.saved_tensors
         scale = (grad_out / scores.numel()).to(scores.dtype)
         # A positive's term softplus(-s) has the derivative -sigmoid(-s), exact where sigmoid(s) - 1 rounds to 0
-        # (s beyond ~17 in float32). It is <= 0 <= sigmoid(s), so a minimum writes it, whatever the repeats.
-        own = -torch.sigmoid(-scores.reshape(-1)[positives])
+        # (s beyond ~17 in float32). It is <= 0 <= sigmoid(s), so a minimum writes it, whatever the repeats;
+        # padding offers +inf, which leaves entry 0 as it is.
+        at = positives.clamp(min=0)
+        own = (-torch.sigmoid(-scores.reshape(-1)[at])).where(positives >= 0, float("inf"))
         grad = torch.sigmoid(scores)
         if torch.is_grad_enabled():  # create_graph=True: out of place (sigmoid's own backward reads its output)
-            return grad.reshape(-1).scatter_reduce(0, positives, own, "amin").view_as(scores) * scale, None
-        grad.view(-1).scatter_reduce_(0, positives, own, "amin")
+            return grad.reshape(-1).scatter_reduce(0, at, own, "amin").view_as(scores) * scale, None
+        grad.view(-1).scatter_reduce_(0, at, own, "amin")
         return grad.mul_(scale), None
 
 
@@ -181,22 +185,23 @@ def squared_hinge_loss(scores: torch.Tensor, label_ptr: torch.Tensor, label_idx:
 
 
 def bce_from_positions(scores: torch.Tensor, positives: torch.Tensor) -> torch.Tensor:
-    """``bce_loss`` given the SORTED flat positive positions (repeats allowed and counted once; no padding)."""
-    return _BCE.apply(scores.contiguous(), positives)
+    """``bce_loss`` given the flat positive positions ``row * L + label``, as ``squared_hinge_from_positions`` takes
+    them: any order, a repeat counts once, entries < 0 are padding (a fixed-capacity list in a CUDA graph)."""
+    return _BCE.apply(scores.contiguous(), positives.to(scores.device, torch.long))
 
 
 def bce_loss(scores: torch.Tensor, label_ptr: torch.Tensor, label_idx: torch.Tensor) -> torch.Tensor:
     """mean over batch and labels of binary cross-entropy with logits; scores (B, L), labels as CSR lists."""
     check_labels(label_ptr, label_idx, scores.shape)
-    return bce_from_positions(scores, positive_positions(label_ptr, label_idx, scores.shape[1], scores.device))
+    return bce_from_positions(scores, flat_keys(label_ptr, label_idx.to(scores.device), scores.shape[1]))
 
 
-# The form a CUDA-graph step calls with a fixed-size list (xmc_repro.step_graph): the squared hinge's in any
-# order, padded with -1 (no sort in the step), and as the root of backward; BCE's sorted, padded with repeats of
-# the last.
+# The form a CUDA-graph step calls with a fixed-size list (xmc_repro.step_graph): both in any order, padded with
+# -1 (no sort in the step); the squared hinge's as the root of backward.
 squared_hinge_loss.from_positions = squared_hinge_from_positions
 squared_hinge_from_positions.any_order = squared_hinge_from_positions.takes_root = True
 bce_loss.from_positions = bce_from_positions
+bce_from_positions.any_order = True
 
 
 class TrainingLossLog:

@@ -4,9 +4,8 @@ At batch 32 the uniform model's step is a few dozen small kernels; issued one by
 is slower than the device. Captured once, a step is one graph launch. What stays outside the graph:
 
 * nothing of the batch but its copy into fixed buffers: the inputs, the label lists' row ends and the labels, in
-  a buffer of fixed capacity. The graph turns them into the positive positions: for the squared hinge in list
-  order, padded with -1; for BCE sorted, padded with repeats of the last one (both count a repeated position
-  once). So a step costs the host four calls;
+  a buffer of fixed capacity. The graph turns them into the positive positions, in list order and padded with -1
+  (both losses take them so, and count a repeated position once). So a step costs the host four calls;
 * the optimizer: fused Adam is one kernel per parameter group, and outside the graph its state can be
   replaced (a checkpoint load), reset (rewiring) and its learning rate changed as usual;
 * rewiring: it writes the connection indices and weights in place, which the graph reads on its next replay.
