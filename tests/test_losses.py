@@ -344,3 +344,5 @@ def test_positive_list_forms_take_any_order_repeats_and_padding_alike(seed, dtyp
         tol = dict(rtol=1e-6, atol=1e-7) if dtype == torch.float32 else dict(rtol=1e-12, atol=1e-15)
         torch.testing.assert_close(loss.double(), want, **tol)
         torch.testing.assert_close(grad.double(), want_grad, **tol)
+        empty = torch.zeros(0, L, dtype=dtype, requires_grad=True)  # no rows, padding only: the mean of nothing
+        assert form(empty, torch.tensor([-1])).isnan()

@@ -90,6 +90,8 @@ def _bce_sum(scores: torch.Tensor, positives: torch.Tensor) -> torch.Tensor:
     s = +inf give inf - inf (NaN) where the loss is 0. Slices of rows cap the (slice, labels) temporary."""
     b, n = scores.shape
     flat, acc = scores.reshape(-1), _acc(scores)
+    if not flat.numel():  # the mean of nothing is NaN; padding would index an empty tensor
+        return torch.zeros((), dtype=torch.float64, device=scores.device)
     p = torch.sort(positives).values  # padding first, a repeat next to its first occurrence
     own = F.softplus(-flat[p.clamp(min=0)].to(torch.float64))  # a positive's exact term: 0 at s = +inf
     total = own.where(first_occurrences(p) & (p >= 0), 0).sum()
@@ -151,6 +153,8 @@ class _BCE(torch.autograd.Function):
     def backward(ctx, grad_out):
         scores, positives = ctx.saved_tensors
         scale = (grad_out / scores.numel()).to(scores.dtype)
+        if not scores.numel():
+            return torch.zeros_like(scores), None
         # A positive's term softplus(-s) has the derivative -sigmoid(-s), exact where sigmoid(s) - 1 rounds to 0
         # (s beyond ~17 in float32). It is <= 0 <= sigmoid(s), so a minimum writes it, whatever the repeats;
         # padding offers +inf, which leaves entry 0 as it is.
