@@ -92,11 +92,11 @@ def test_kernel_source_gathers_bf16_inputs_as_their_float32_values(emulated, fam
 def test_squared_hinge_kernel_source_matches_the_reference(binary, tmp_path, dtype, entries, blocks):
     """Both paths of the negatives kernel (16-byte packs, one value at a time; a trailing partial pack; two blocks
     striding over several packs each), and the positives kernel with repeats, padding and scores at the hinge
-    points -1 and 1."""
+    points -1 and 1 (in the grid-stride case more positives than the negatives' blocks have threads)."""
     gen = generator(entries)
     scores = torch.randn(entries, generator=gen, dtype=dtype) * 2
     scores[:4] = torch.tensor([-1.0, 1.0, 0.0, -3.0], dtype=dtype)[: min(4, entries)]
-    positives = torch.randint(entries, (9,), generator=gen)
+    positives = torch.randint(entries, (max(9, entries // 3),), generator=gen)
     positives = torch.cat([positives, positives[:3], torch.tensor([-1, 1, 0])])  # repeats, padding
     header = np.array([0 if dtype == torch.float32 else 1, entries, positives.numel(), blocks], dtype=np.int64)
     result = _run(binary, "hinge", [header, scores.numpy(), positives.numpy()], dtype, tmp_path)

@@ -19,6 +19,7 @@
 #include <cstdio>
 #include <fstream>
 #include <iterator>
+#include <limits>
 #include <stdexcept>
 #include <string>
 
@@ -129,7 +130,8 @@ void run(const std::string& family, Reader& in, const int64_t* h, std::ofstream&
   }
 }
 
-// The launches of squared_hinge_cuda, with at most `cap` blocks for the negatives (the grid-stride loop).
+// The launches of squared_hinge_cuda, with at most `cap` blocks for the negatives (the grid-stride loop); the
+// positives get a thread each, as there.
 template <typename T, int V>
 void run_hinge_path(const std::vector<T>& scores, const std::vector<int64_t>& pos, int64_t cap, std::ofstream& out) {
   const int64_t n = scores.size(), npos = pos.size();
@@ -139,7 +141,7 @@ void run_hinge_path(const std::vector<T>& scores, const std::vector<int64_t>& po
     hinge::negatives_kernel<T, V>(scores.data(), grad.data(), n, two_over_n, inv_n, loss.data());
   });
   if (npos > 0)
-    simt::launch(hinge::blocks_for(npos, cap), hinge::kThreads, [&] {
+    simt::launch(hinge::blocks_for(npos, std::numeric_limits<int32_t>::max()), hinge::kThreads, [&] {  // as the host
       hinge::positives_kernel<T>(scores.data(), grad.data(), pos.data(), npos, n, two_over_n, inv_n, loss.data());
     });
   append(out, loss);
