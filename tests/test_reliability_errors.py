@@ -137,12 +137,18 @@ def test_non_finite_loss_fails_the_run_and_keeps_the_last_good_checkpoint(tmp_pa
 
 
 def test_the_sweep_summary_counts_the_jobs_that_failed():
+    """A one-job sweep read 'all 1 jobs failed', and jobs were joined by '; ', which their reasons contain too."""
     from xmc_repro.entry import _sweep_summary
 
     assert _sweep_summary(["ok", "ok"]) is None
-    assert _sweep_summary(["ok", "failed #1 (a=1): broke"]) == "sweep finished; 1 of 2 jobs failed: #1 (a=1): broke"
+    assert _sweep_summary(["failed #0: broke"]) == "sweep finished; the 1 job failed: job #0: broke"
+    assert _sweep_summary(["ok", "failed #1 (a=1): broke", "ok"]) == (
+        "sweep finished; 1 of 3 jobs failed: job #1 (a=1): broke")
+    # The reasons contain "; " themselves: the jobs are told apart by " | job #".
+    assert _sweep_summary(["failed #0 (a=0): x; fix x", "ok", "failed #2 (a=2): y; fix y"]) == (
+        "sweep finished; 2 of 3 jobs failed: job #0 (a=0): x; fix x | job #2 (a=2): y; fix y")
     assert _sweep_summary(["failed #0 (a=0): x", "failed #1 (a=1): y"]) == (
-        "sweep finished; all 2 jobs failed: #0 (a=0): x; #1 (a=1): y")
+        "sweep finished; all 2 jobs failed: job #0 (a=0): x | job #1 (a=1): y")
 
 
 def test_the_other_ddp_ranks_of_a_sweeps_job_record_no_outcome(tmp_path, monkeypatch):
@@ -171,7 +177,7 @@ def test_failed_job_does_not_stop_its_sweep(tmp_path, store):
     # The job is named by its number and the setting the sweep varies, not by the sweep's every override.
     assert errors[0].startswith("error: job #1 (model.connectivity=100): connectivity=100 exceeds"), errors
     assert errors[0].endswith("or use a dense layer (model=dense)"), errors  # the fix stays
-    assert errors[1] == f"error: sweep finished; 1 of 3 jobs failed: {errors[0].removeprefix('error: job ')}"
+    assert errors[1] == f"error: sweep finished; 1 of 3 jobs failed: {errors[0].removeprefix('error: ')}"
     by_connectivity = {r.data.params["model/connectivity"]: r for r in runs(tmp_path)}
     assert {k: r.info.status for k, r in by_connectivity.items()} == {"8": "FINISHED", "100": "FAILED", "4": "FINISHED"}
     assert "exceeds" in by_connectivity["100"].data.tags["error"]

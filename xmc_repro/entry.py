@@ -201,12 +201,18 @@ def _record_outcome(line: str) -> None:
 
 
 def _sweep_summary(outcomes: list[str]) -> str | None:
-    """The sweep's last line when a job failed: how many of how many, and each failure."""
-    failures = [line.removeprefix(FAILED) for line in outcomes if line.startswith(FAILED)]
+    """The sweep's last line when a job failed: how many of how many, and each failure as `job #<n> (...): <reason>`,
+    separated by ` | ` (the reasons themselves contain `;`)."""
+    failures = [f"job {line.removeprefix(FAILED)}" for line in outcomes if line.startswith(FAILED)]
     if not failures:
         return None
-    failed = f"all {len(outcomes)}" if len(failures) == len(outcomes) else f"{len(failures)} of {len(outcomes)}"
-    return f"sweep finished; {failed} jobs failed: {'; '.join(failures)}"
+    if len(outcomes) == 1:
+        failed = "the 1 job"
+    elif len(failures) == len(outcomes):
+        failed = f"all {len(outcomes)} jobs"
+    else:
+        failed = f"{len(failures)} of {len(outcomes)} jobs"
+    return f"sweep finished; {failed} failed: {' | '.join(failures)}"
 
 
 def _one_line_hydra_errors() -> None:
