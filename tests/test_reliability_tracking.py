@@ -410,3 +410,106 @@ def test_a_reopen_that_fails_after_its_status_write_puts_the_status_back(tmp_pat
     with pytest.raises(OSError):
         tracking.RunTracker(uri, "xmc_repro", run_id=first.run_id)
     assert MlflowClient(uri).get_run(first.run_id).info.status == "FAILED"
+
+
+
+def _failing_after_create(monkeypatch, error: Exception, calls=("update_run", "set_tag", "set_terminated"),
+                          first_failure=None):
+    """MlflowClient whose `calls` raise `error` once a run was created (as a store locked or filled from then on);
+    `first_failure()`, if given, runs before the first such error."""
+    from mlflow.tracking import MlflowClient
+
+    created, failed = [], []
+    create_run = MlflowClient.create_run
+
+    def create(self, *args, **kwargs):
+        created.append(True)
+        return create_run(self, *args, **kwargs)
+
+    def failing(original):
+        def call(self, *args, **kwargs):
+            if not created:
+                return original(self, *args, **kwargs)
+            if first_failure is not None and not failed:
+                first_failure()
+            failed.append(True)
+            raise error
+        return call
+
+    monkeypatch.setattr(MlflowClient, "create_run", create)
+    for name in calls:
+        monkeypatch.setattr(MlflowClient, name, failing(getattr(MlflowClient, name)))
+
+
+@pytest.mark.parametrize("store", ["full", "locked"])
+def test_a_run_whose_setup_fails_after_its_creation_is_closed_or_named(tmp_path, tmp_path_factory, monkeypatch,
+                                                                       store):
+    """The run's name is written once MLflow has created the run: a store that failed from then on left a RUNNING
+    run that no tracker closes, and the line did not name it."""
+    from mlflow.tracking import MlflowClient
+
+    from test_reliability_common import tiny_config
+    from xmc_repro import resume, train
+    from xmc_repro.errors import StorageError
+
+    monkeypatch.chdir(tmp_path)
+    copy_store(make_store(tmp_path_factory.getbasetemp() / "store"), tmp_path)
+    cfg = tiny_config(tmp_path / "mlruns.db")
+    uri = cfg.logger.tracking_uri
+    monkeypatch.setattr(tracking, "RETRY_SECONDS", 1.0)
+    monkeypatch.setattr(tracking, "CLOSE_RETRY_SECONDS", 0.5)
+    if store == "full":  # the close is let in
+        _failing_after_create(monkeypatch, sqlite3.OperationalError("database or disk is full"), ["update_run"])
+    else:  # nothing is let in
+        _failing_after_create(monkeypatch, sqlite3.OperationalError("database is locked"))
+    began = time.monotonic()
+    with pytest.raises(StorageError) as info:
+        train.open_run(cfg, None)
+    assert time.monotonic() - began < 5  # the retry window, then CLOSE_RETRY_SECONDS
+    monkeypatch.undo()
+    (run,) = runs(tmp_path)
+    run_id, line = run.info.run_id, str(info.value)
+    assert "\n" not in line
+    if store == "full":
+        assert line == (f"logger.tracking_uri={uri}: no space left on the disk holding the MLflow store "
+                        f"(OperationalError: database or disk is full); free space, then run it again; the new "
+                        f"MLflow run {run_id} is marked FAILED")
+        assert run.info.status == "FAILED"
+        assert run.data.tags["error"] == "the run could not be set up (OperationalError: database or disk is full)"
+        return
+    assert line.startswith(f"logger.tracking_uri={uri}: the MLflow store stayed locked by another process for 1 s")
+    assert line.endswith(f"then run it again; the new MLflow run {run_id} could not be marked FAILED "
+                         f"(OperationalError: database is locked) and shows RUNNING: once the store is writable, "
+                         f"resume={run_id} closes it")
+    assert run.info.status == "RUNNING"
+    # What resume=<id> does here for a run without a folder, once its process is gone (this one is alive: said gone)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(resume, "alive", lambda pid, started: False)
+    assert "so it is now marked FAILED" in resume.close_unstarted(uri, run_id)
+    assert MlflowClient(uri).get_run(run_id).info.status == "FAILED"
+
+
+def test_ctrl_c_while_a_new_runs_setup_waits_for_the_store_closes_the_run(tmp_path, tmp_path_factory, monkeypatch):
+    """Ctrl+C while the new run's name waited for a locked store was deferred until the store let it in or the
+    retry window (10 minutes) ended, not taken at once as while the run is being created."""
+    import os
+    import signal
+
+    from test_reliability_common import tiny_config
+    from xmc_repro import train
+
+    monkeypatch.chdir(tmp_path)
+    copy_store(make_store(tmp_path_factory.getbasetemp() / "store"), tmp_path)
+    monkeypatch.setattr(tracking, "RETRY_SECONDS", 5.0)  # bounds the test when the wait is not interruptible
+    monkeypatch.setattr(tracking, "CLOSE_RETRY_SECONDS", 0.5)
+    _failing_after_create(monkeypatch, sqlite3.OperationalError("database is locked"), ["update_run"],
+                          first_failure=lambda: os.kill(os.getpid(), signal.SIGINT))
+    began = time.monotonic()
+    with pytest.raises(KeyboardInterrupt) as info:
+        train.run(tiny_config(tmp_path / "mlruns.db"))
+    assert time.monotonic() - began < 3
+    monkeypatch.undo()
+    (run,) = runs(tmp_path)
+    assert run.info.status == "FAILED" and run.data.tags["error"] == "the run could not be set up (interrupted)"
+    assert info.value.run_failure == (f"interrupted (Ctrl+C) while the MLflow run was being opened; the new MLflow "
+                                      f"run {run.info.run_id} is marked FAILED")

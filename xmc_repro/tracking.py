@@ -289,11 +289,30 @@ class RunTracker:
             # from a run still starting (resume.close_unstarted)
             run_id = with_retries(self.client.create_run, self.experiment_id, run_name=run_name,
                                   tags={STARTED_BY: started_by()}, while_waiting=raise_pending).info.run_id
-            if run_name:  # a piece of the id keeps names unique when a configuration runs again
-                with_retries(self.client.update_run, run_id, name=f"{run_name} {run_id[:4]}")
+            try:
+                if run_name:  # a piece of the id keeps names unique when a configuration runs again
+                    with_retries(self.client.update_run, run_id, name=f"{run_name} {run_id[:4]}",
+                                 while_waiting=raise_pending)
+            except BaseException as error:  # no tracker will close the run: close it here, or name it
+                error.unopened_run = self._close_unopened(run_id, error)
+                raise
         else:
             self._reopen(run_id, raise_pending)
         self.run_id = run_id
+
+    def _close_unopened(self, run_id: str, error: BaseException) -> str:
+        """Mark FAILED a run created but not set up; the clause that says what became of it. Briefly
+        (CLOSE_RETRY_SECONDS): the store has just refused a write, maybe after a whole RETRY_SECONDS."""
+        why = short_error(error) if isinstance(error, Exception) else "interrupted"
+        deadline = time.monotonic() + CLOSE_RETRY_SECONDS
+        try:
+            with_retries(self.client.set_tag, run_id, "error", f"the run could not be set up ({why})",
+                         deadline=deadline)
+            with_retries(self.client.set_terminated, run_id, "FAILED", deadline=deadline)
+        except Exception as close_error:
+            return (f"the new MLflow run {run_id} could not be marked FAILED ({short_error(close_error)[:200]}) and "
+                    f"shows RUNNING: once the store is writable, resume={run_id} closes it")
+        return f"the new MLflow run {run_id} is marked FAILED"
 
     def _experiment(self, name: str) -> str:
         experiment = self.client.get_experiment_by_name(name)

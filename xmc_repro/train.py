@@ -243,18 +243,19 @@ def open_run(cfg: DictConfig, run_id: str | None, interrupted: list[int] | None 
         raise
     except Exception as error:
         again = f"run it again with resume={run_id}" if run_id else "run it again"
+        created = f"; {error.unopened_run}" if hasattr(error, "unopened_run") else ""  # a run created, then failing
         if is_contention(error):
             raise StorageError(
                 f"logger.tracking_uri={uri}: the MLflow store stayed locked by another process for "
                 f"{tracking.RETRY_SECONDS:.0f} s ({short_error(error)}); let that process finish or stop it, "
-                f"then {again}"
+                f"then {again}{created}"
             ) from error
         if disk_full(error):
             raise StorageError(f"logger.tracking_uri={uri}: no space left on the disk holding the MLflow store "
-                               f"({short_error(error)}); free space, then {again}") from error
+                               f"({short_error(error)}); free space, then {again}{created}") from error
         raise ConfigError(
             f"logger.tracking_uri={uri}: cannot use this MLflow store ({short_error(error)}); "
-            "use sqlite:///mlruns.db, an http://host:port tracking server, or set MLFLOW_TRACKING_URI"
+            f"use sqlite:///mlruns.db, an http://host:port tracking server, or set MLFLOW_TRACKING_URI{created}"
         ) from error
 
 
@@ -351,8 +352,10 @@ def _run_and_record(cfg: DictConfig, resume_from: Path | None, run_id: str | Non
     except BaseException as error:
         _release(locks)
         if isinstance(error, (KeyboardInterrupt, SIGTERMException)):  # while waiting for a busy store
-            error.run_failure = (f"interrupted ({interruption(error)}) before the MLflow run was opened; nothing "
-                                 "was recorded")
+            created = getattr(error, "unopened_run", None)  # the run was created, then its setup waited
+            error.run_failure = (f"interrupted ({interruption(error)}) " + (
+                f"while the MLflow run was being opened; {created}" if created else
+                "before the MLflow run was opened; nothing was recorded"))
         raise
     checkpoint_dir = resume_from.parent if resume_from else CHECKPOINT_ROOT / tracker.run_id
     try:
