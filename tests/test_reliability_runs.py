@@ -227,7 +227,8 @@ def test_runs_of_sweep_jobs_killed_by_their_launcher_are_closed_by_the_sweep(tmp
     listed = tmp_path / "runs.txt"
     listed.write_text("".join(f"{run_id}\t{uri}\t{folder}\n" for run_id, folder in dirs.items()))
     try:
-        assert sorted(close_interrupted(listed, "Ctrl+C")) == sorted([killed.run_id, killed_early.run_id])
+        closed, unclosed = close_interrupted(listed, "Ctrl+C")
+        assert sorted(closed) == sorted([killed.run_id, killed_early.run_id]) and unclosed == ""
     finally:
         lock.release()
     client = MlflowClient(uri)
@@ -237,6 +238,64 @@ def test_runs_of_sweep_jobs_killed_by_their_launcher_are_closed_by_the_sweep(tmp
     assert status[killed_early.run_id].data.tags["error"] == "interrupted (Ctrl+C); no checkpoint yet"
     assert status[alive.run_id].info.status == "RUNNING"  # its job closes it
     alive.finish("FAILED", "closed by its job")
+
+
+@pytest.mark.parametrize("store_is", ["locked", "left by a second ctrl_c"])
+def test_closing_a_sweeps_runs_takes_seconds_and_names_those_left_running(tmp_path, store, monkeypatch, store_is):
+    """On a locked store each run was retried for the whole retry window (10 minutes): Ctrl+C on a sweep hung that
+    long per run, then said nothing of the runs left RUNNING; Ctrl+C again meanwhile ended in a traceback."""
+    import sqlite3
+
+    from mlflow.tracking import MlflowClient
+
+    from xmc_repro import tracking
+    from xmc_repro.resume import close_interrupted
+    from xmc_repro.tracking import RunTracker
+
+    copy_store(store, tmp_path)
+    uri = f"sqlite:///{tmp_path / 'mlruns.db'}"
+    trackers = [RunTracker(uri, "e") for _ in range(3)]
+    ids = [tracker.run_id for tracker in trackers]
+    listed = tmp_path / "runs.txt"
+    listed.write_text("".join(f"{run_id}\t{uri}\t{tmp_path / 'checkpoints' / run_id}\n" for run_id in ids))
+    monkeypatch.setattr(tracking, "RETRY_SECONDS", 3.0)
+    monkeypatch.setattr(tracking, "CLOSE_RETRY_SECONDS", 0.5)
+    get_run, reads = MlflowClient.get_run, []
+
+    def read(self, run_id):
+        reads.append(run_id)
+        if store_is == "locked":
+            raise sqlite3.OperationalError("database is locked")
+        if len(reads) == 2:
+            raise KeyboardInterrupt()
+        return get_run(self, run_id)
+
+    monkeypatch.setattr(MlflowClient, "get_run", read)
+    began = time.monotonic()
+    try:
+        result = close_interrupted(listed, "Ctrl+C")
+    except KeyboardInterrupt:  # not raised on: pytest would stop
+        pytest.fail("Ctrl+C again while the runs were being closed ended in a traceback")
+    assert time.monotonic() - began < 2  # CLOSE_RETRY_SECONDS for all runs together, not RETRY_SECONDS each
+    monkeypatch.undo()
+    closed, unclosed = result
+    if store_is == "locked":
+        assert closed == [] and set(reads) == set(ids[:1])  # the store refused: its other runs were not tried
+        reason = "OperationalError: database is locked"
+    else:
+        assert closed == ids[:1]
+        reason = "interrupted while closing them"
+    left = ids[len(closed):]
+    assert unclosed == (f"the runs {', '.join(left)} could not be marked FAILED ({reason}) and may show RUNNING: once "
+                        "the store is writable, resume=<its id> continues or closes each")
+    assert [MlflowClient(uri).get_run(run_id).info.status for run_id in left] == ["RUNNING"] * len(left)
+    from xmc_repro.entry import _closing  # the sweep's line
+
+    assert _closing(closed, unclosed, "killed jobs") == (
+        f"; the runs of killed jobs are marked FAILED ({ids[0]}): continue each with resume=<its id>; {unclosed}"
+        if closed else f"; {unclosed}")
+    for tracker in trackers[len(closed):]:
+        tracker.finish("FAILED", "closed by the test")
 
 
 SWEEP_WAITING = """

@@ -296,10 +296,16 @@ def _report_outside_jobs(error: Exception) -> None:
     reason = " ".join(f"{type(error).__name__}: {error}".split())
     closed = close_interrupted(Path(os.environ.get(STARTED_RUNS_ENV, "")), f"the sweep's launcher failed: "
                                f"{type(error).__name__}")
-    closing = (f"; the runs of its unfinished jobs are marked FAILED ({', '.join(closed)}): continue each with "
-               "resume=<its id>") if closed else ""
-    print(f"error: the sweep's launcher failed ({reason}){closing}", file=sys.stderr)
+    print(f"error: the sweep's launcher failed ({reason}){_closing(*closed, 'its unfinished jobs')}", file=sys.stderr)
     sys.exit(1)
+
+
+def _closing(closed: list[str], unclosed: str, jobs: str) -> str:
+    """`; ...` clauses of the one line saying what became of the runs of `jobs` a sweep's launcher stopped
+    (`close_interrupted`'s result)."""
+    text = (f"; the runs of {jobs} are marked FAILED ({', '.join(closed)}): continue each with resume=<its id>"
+            if closed else "")
+    return text + (f"; {unclosed}" if unclosed else "")
 
 
 # Hydra's flags combined wrongly (`-m --cfg job`): hydra-core 1.3 raises these outside its error reporting.
@@ -353,13 +359,11 @@ def main() -> None:
         if full_errors():
             raise
         why = "SIGTERM" if isinstance(error, SweepTerminated) else "Ctrl+C"
-        closed = []
+        closing = ""
         if started.is_file():  # the runs of jobs the launcher killed; none listed: no import (a signal that came
             from xmc_repro.resume import close_interrupted  # during the imports leaves them half done)
 
-            closed = close_interrupted(started, why)
-        closing = (f"; the runs of killed jobs are marked FAILED ({', '.join(closed)}): continue each with "
-                   "resume=<its id>") if closed else ""
+            closing = _closing(*close_interrupted(started, why), "killed jobs")
         after = getattr(error, "run_failure", None)  # a run's summary, cut short
         print(f"error: interrupted ({why}){' ' + after if after else ''}{closing}", file=sys.stderr)
         sys.exit(143 if why == "SIGTERM" else 130)

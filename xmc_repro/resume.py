@@ -10,6 +10,7 @@ a run killed before its folder existed is told by the process its tag `started_b
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
@@ -154,32 +155,67 @@ def note_started(run_id: str, tracking_uri: str, run_dir: Path) -> None:
             handle.write(f"{run_id}\t{tracking_uri}\t{run_dir.resolve()}\n")
 
 
-def close_interrupted(path: Path, why: str) -> list[str]:
+def close_interrupted(path: Path, why: str) -> tuple[list[str], str]:
     """After a sweep was interrupted: mark FAILED the listed runs that are still RUNNING with no process writing them.
-    A launcher such as joblib kills its workers on Ctrl+C, before a job can close its own run. Returns their ids."""
+    A launcher such as joblib kills its workers on Ctrl+C, before a job can close its own run.
+
+    Returns the ids it marked FAILED, and a clause naming the runs it could not close ("" when none). The user waits
+    for the prompt meanwhile: a locked store gets CLOSE_RETRY_SECONDS for all runs together, and once it has refused,
+    its other runs are not tried (each try may also wait out SQLite's own busy timeout); Ctrl+C again stops it."""
     lines = path.read_text(encoding="utf-8").splitlines() if path.is_file() else []
-    if not lines:
-        return []  # no job started a run: nothing to close (and no MLflow to load)
+    listed = [line.split("\t") for line in lines if line.count("\t") == 2]
+    if not listed:
+        return [], ""  # no job started a run: nothing to close (and no MLflow to load)
     from mlflow.tracking import MlflowClient
 
-    from xmc_repro.tracking import with_retries
+    from xmc_repro import tracking
+    from xmc_repro.tracking import NO_SUCH_RUN, is_contention, short_error, with_retries
 
-    closed = []
-    for run_id, uri, run_dir in (line.split("\t") for line in lines if line.count("\t") == 2):
+    deadline = time.monotonic() + tracking.CLOSE_RETRY_SECONDS
+    clients, locked, reasons = {}, set(), {}  # per store: its client; stores given up on; why runs stay open
+    closed, left = [], []
+    for index, (run_id, uri, run_dir) in enumerate(listed):
         if checkpoints.RunLock(Path(run_dir)).is_held():
             continue  # its job is alive: it closes the run itself
+        if uri in locked:
+            left.append(run_id)
+            continue
         try:
-            client = with_retries(MlflowClient, uri)
-            if with_retries(client.get_run, run_id).info.status != "RUNNING":
+            if uri not in clients:
+                clients[uri] = with_retries(MlflowClient, uri, deadline=deadline)
+            client = clients[uri]
+            if with_retries(client.get_run, run_id, deadline=deadline).info.status != "RUNNING":
                 continue
             kept = (Path(run_dir) / checkpoints.LAST).is_file()
             message = f"interrupted ({why}); " + (f"continue it with resume={run_id}" if kept else "no checkpoint yet")
-            with_retries(client.set_tag, run_id, "error", message)
-            with_retries(client.set_terminated, run_id, "FAILED")
-        except Exception:  # the store is gone or locked: `resume=<id>` closes the run later
+            with_retries(client.set_tag, run_id, "error", message, deadline=deadline)
+            with_retries(client.set_terminated, run_id, "FAILED", deadline=deadline)
+        except KeyboardInterrupt:  # Ctrl+C (or SIGTERM) again: stop here and name what is left
+            reasons["interrupted while closing them"] = None
+            left += [other for other, _, folder in listed[index:] if not checkpoints.RunLock(Path(folder)).is_held()]
+            break
+        except Exception as error:  # the store is gone, full or locked: `resume=<id>` closes the run later
+            if getattr(error, "error_code", None) in NO_SUCH_RUN:
+                continue  # deleted meanwhile: nothing shows RUNNING
+            if is_contention(error):
+                locked.add(uri)
+            reasons[short_error(error)[:200]] = None
+            left.append(run_id)
             continue
         closed.append(run_id)
-    return closed
+    return closed, _unclosed(left, list(reasons))
+
+
+def _unclosed(run_ids: list[str], reasons: list[str]) -> str:
+    """The clause naming the runs `close_interrupted` could not close, and how to close them ("" when none)."""
+    if not run_ids:
+        return ""
+    if len(run_ids) == 1:
+        which, how = f"the run {run_ids[0]}", f"resume={run_ids[0]} continues or closes it"
+    else:
+        which, how = f"the runs {', '.join(run_ids)}", "resume=<its id> continues or closes each"
+    return (f"{which} could not be marked FAILED ({'; '.join(reasons)}) and may show RUNNING: once the store is "
+            f"writable, {how}")
 
 
 def resume_config(cfg: DictConfig, stored: DictConfig, explicit: list[str]) -> DictConfig:
