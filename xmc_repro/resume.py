@@ -135,7 +135,7 @@ def _mark_failed(client, run_id: str) -> str:
     """Mark a RUNNING run whose process is gone FAILED; the line that says so."""
     from xmc_repro.tracking import with_retries
 
-    message = "stopped before its first checkpoint (the process was killed); nothing to resume"
+    message = "stopped before its first checkpoint (its process ended without closing it); nothing to resume"
     try:
         with_retries(client.set_tag, run_id, "error", message)
         with_retries(client.set_terminated, run_id, "FAILED")
