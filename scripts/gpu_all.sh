@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
-# Everything a lent GPU should measure, in one call (run from the repository root; about 8 minutes on an H100):
+# Everything a lent GPU should measure, in one call (run from the repository root; at most BUDGET_S seconds, then
+# the packing):
 #   bash scripts/gpu_all.sh
 # 1. builds the CPU+CUDA kernels (XMC_SPARSE_BACKEND=compiled: a failed CUDA build is an error here),
 # 2. runs every `cuda`-marked test,
-# 3. the layer benchmark at the headline shape (670,091 labels, 16,384 inputs, 32, batch 32), float32 and bf16
-#    inputs, the op's kernels beside the warp-per-label candidates (uniform-rows), with the L2 read bandwidth of
-#    the probe kernel,
+# 3. the layer benchmark at the headline shape (670,091 labels, 16,384 inputs, 32, batch 32; squared-hinge and BCE
+#    gradients), float32 and bf16 inputs, the op's kernels beside the warp-per-label candidates (uniform-rows),
+#    torch CSR and dense, with the L2 read bandwidth of the probe kernel; its last line names the faster kernels
+#    per phase,
 # 4. memory: 20,000 points of the pipeline at Amazon-670K's shape with a rewiring every 50 steps, graphed and
 #    eager (trainer.cuda_graph=false), each with what was allocated at its peak (trainer.memory_report),
 # 5. the whole-model step, dense beside uniform (eager, CUDA graph, Lightning; 32-true and bf16-mixed), Amazon-670K
@@ -23,10 +25,15 @@
 #    kernels (P@k against the CPU runs; measured on an H200 at 17de686, README), if its files are carried
 #    in .gpu_data/Bibtex (XMC_SHARED_DATA): mkdir -p .gpu_data/Bibtex && cp ../shared/data/Bibtex/*_xc.txt
 #    .gpu_data/Bibtex/ (.gpu_data and .whl listed in .git/info/exclude, both named in the call's carry).
-# SKIP="model epoch-bf16-mixed ..." skips steps by name. The deadline skips what does not fit.
+# Steps, in this order (SKIP="model epoch-bf16-mixed ..." skips them by name): env build tests layer
+#   memory-graph-true memory-graph-false model model-rows epoch-32-true epoch-rows-32-true epoch-mixed-32-true
+#   epoch-bf16-mixed epoch-dense-32-true bibtex-32-true bibtex-bf16-mixed bibtex-rows-32-true.
+# Each step has its own timeout (together about 2,000 s), all share a deadline of BUDGET_S seconds (470 by default,
+# from the script's start, the wheels' install included), and a failing step does not stop the next: the deadline
+# skips the steps that no longer fit, so a call that needs the later ones SKIPs earlier ones. DRY_RUN=1 lists each
+# step's command (SKIP applied, no deadline) and runs nothing. LAYER_CASES: the layer benchmark's cases (default 2).
 # Logs, results and the MLflow store are packed into $OUT/gpu_all.tgz (few files come back); a summary is printed
-# last. Each step has its own timeout, all share a deadline of BUDGET_S seconds, and a failing step does not stop
-# the next. hydra and mlflow: carry .whl/ from ../shared/gpu/wheels.sh.
+# last. hydra and mlflow: carry .whl/ from ../shared/gpu/wheels.sh.
 # Records' git_commit: the lent machine's copy of the tree carries stale git metadata, so pass the commit sent,
 # spelled out here: XMC_GIT_COMMIT=<git rev-parse --short=12 HEAD> bash scripts/gpu_all.sh
 # The dense epoch takes about 2.5 minutes; DENSE_POINTS=50000 trains it on fewer points, enough for its step time
@@ -34,18 +41,21 @@
 # A shorter call: BUDGET_S=240 EPOCH_POINTS=100000 EPOCH_PRECISIONS=32-true TESTS="tests/test_step_graph.py ..." \
 #   bash scripts/gpu_all.sh
 set -uo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/.." || exit 1
 OUT="${OUT:-/tmp/xmc_gpu_all}"
 LOGS=/tmp/xmc_gpu_logs
 BUDGET_S=${BUDGET_S:-470}
-# /tmp and the ignored checkpoints/ and results/ outlive a call on a warm machine: report this call's files only
-rm -rf "$LOGS"
-mkdir -p "$OUT" "$LOGS" results/bench
-touch "$LOGS/.started"
+DRY_RUN=${DRY_RUN:-0}
+if [ "$DRY_RUN" != 1 ]; then
+  # /tmp and the ignored checkpoints/ and results/ outlive a call on a warm machine: report this call's files only
+  rm -rf "$LOGS"
+  mkdir -p "$OUT" "$LOGS" results/bench
+  touch "$LOGS/.started"
+fi
 export XMC_SPARSE_CACHE="${XMC_SPARSE_CACHE:-$HOME/.cache/xmc_repro/sparse_ops}"
 export PYTHONUNBUFFERED=1 MLFLOW_TRACKING_URI="sqlite:///$LOGS/gpu_runs.db"
 [ -d .gpu_data ] && export XMC_SHARED_DATA="$PWD/.gpu_data"
-if ! python3 -c "import hydra, mlflow" 2>/dev/null && ls .whl/*.whl >/dev/null 2>&1; then
+if [ "$DRY_RUN" != 1 ] && ! python3 -c "import hydra, mlflow" 2>/dev/null && ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --target "$HOME/site" .whl/*.whl
 fi
 export PYTHONPATH="$HOME/site:$PWD"
@@ -53,6 +63,7 @@ status=()
 step() {  # step NAME SECONDS CMD...: run with a timeout (capped by the deadline), log to $LOGS/NAME.log
   local name=$1 secs=$2; shift 2
   case " ${SKIP:-} " in *" $name "*) status+=("$name: skipped (SKIP)"); return;; esac
+  if [ "$DRY_RUN" = 1 ]; then printf '[%s] %ss:' "$name" "$secs"; printf ' %q' "$@"; echo; return; fi
   local left=$((BUDGET_S - SECONDS))
   if [ "$left" -lt 15 ]; then status+=("$name: skipped, deadline"); return; fi
   [ "$secs" -gt "$left" ] && secs=$left
@@ -94,10 +105,12 @@ for precision in ${EPOCH_PRECISIONS:-32-true bf16-mixed}; do
   KERNELS=rows epoch epoch-rows-32-true uniform 32-true 170 model.intermediate=32768 trainer.profile_steps=20
   # each phase on the kernels the layer benchmark found faster, when that is neither all the op's nor all rows
   mixed=$(grep -oE "XMC_SPARSE_KERNELS=rows:[a-z_,]+" "$LOGS/layer.log" 2>/dev/null | head -1 | cut -d= -f2)
+  [ "$DRY_RUN" = 1 ] && mixed=rows:PHASES  # the layer step's choice
   [ -n "$mixed" ] && KERNELS=$mixed epoch epoch-mixed-32-true uniform 32-true 170 model.intermediate=32768
 done
 POINTS=${DENSE_POINTS:-} epoch epoch-dense-32-true dense 32-true 240  # DENSE_POINTS=50000: its step time, sooner
 for d in checkpoints/*/; do  # the epochs' step profiles, named by run
+  [ "$DRY_RUN" = 1 ] && break
   run=$(basename "$d")
   [ "$d/profile.txt" -nt "$LOGS/.started" ] && cp "$d/profile.txt" "$LOGS/profile-$run.txt" && cp "$d/profile-trace.json.gz" "$LOGS/profile-trace-$run.json.gz"
   [ "$d/memory-peak.txt" -nt "$LOGS/.started" ] && cp "$d/memory-peak.txt" "$LOGS/memory-peak-$run.txt"
@@ -112,6 +125,7 @@ if [ -n "${XMC_SHARED_DATA:-}" ] && [ "${BIBTEX:-0}" = 1 ]; then
       trainer.precision=$precision table=gpu_check
   done
 fi
+[ "$DRY_RUN" = 1 ] && exit 0
 python3 scripts/step_times.py "$MLFLOW_TRACKING_URI" > "$LOGS/step-times.md" 2> "$LOGS/step-times.err"
 cp -r results/bench "$LOGS/" 2>/dev/null
 tar czf "$OUT/gpu_all.tgz" -C "$(dirname "$LOGS")" "$(basename "$LOGS")"
