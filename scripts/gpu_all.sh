@@ -32,8 +32,9 @@
 # from the script's start, the wheels' install included), and a failing step does not stop the next: the deadline
 # skips the steps that no longer fit, so a call that needs the later ones SKIPs earlier ones. DRY_RUN=1 lists each
 # step's command (SKIP applied, no deadline) and runs nothing. LAYER_CASES: the layer benchmark's cases (default 2).
-# Logs, results and the MLflow store are packed into $OUT/gpu_all.tgz (few files come back); a summary is printed
-# last. hydra and mlflow: carry .whl/ from ../shared/gpu/wheels.sh.
+# Logs (steps.log: each step's exit status and seconds), results and the MLflow store are packed into
+# $OUT/gpu_all.tgz (few files come back); a summary is printed last. hydra and mlflow: carry .whl/ from
+# ../shared/gpu/wheels.sh.
 # Records' git_commit: the lent machine's copy of the tree carries stale git metadata, so pass the commit sent,
 # spelled out here: XMC_GIT_COMMIT=<git rev-parse --short=12 HEAD> bash scripts/gpu_all.sh
 # The dense epoch takes about 2.5 minutes; DENSE_POINTS=50000 trains it on fewer points, enough for its step time
@@ -127,6 +128,7 @@ if [ -n "${XMC_SHARED_DATA:-}" ] && [ "${BIBTEX:-0}" = 1 ]; then
 fi
 [ "$DRY_RUN" = 1 ] && exit 0
 python3 scripts/step_times.py "$MLFLOW_TRACKING_URI" > "$LOGS/step-times.md" 2> "$LOGS/step-times.err"
+printf '%s\n' "${status[@]}" > "$LOGS/steps.log"
 cp -r results/bench "$LOGS/" 2>/dev/null
 tar czf "$OUT/gpu_all.tgz" -C "$(dirname "$LOGS")" "$(basename "$LOGS")"
 

@@ -3,8 +3,8 @@
 #   bash scripts/gpu_collect.sh FILES_AT LOGS_NAME
 # FILES_AT: the folder holding gpu_all.tgz; LOGS_NAME: the folder under results/bench/ for this call's logs
 # (e.g. nvidia-h100-rows). It
-# 1. unpacks the logs into results/bench/LOGS_NAME/ (the epochs' step profiles, step times and memory reports
-#    included),
+# 1. unpacks the logs into results/bench/LOGS_NAME/ (the epochs' step profiles, step times, memory reports and
+#    steps.log, each step's exit status and seconds, included),
 # 2. copies the benchmark results (<card>.*, <card>-model*, rows-kernels/) into results/bench/, replacing the
 #    earlier files of that card (the call's copy of results/bench holds the checkout's files besides its own),
 # 3. copies the call's finished table runs into results/records/ (its MLflow store gpu_runs.db), and
