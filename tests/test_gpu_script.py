@@ -1,0 +1,151 @@
+"""scripts/gpu_all.sh, the one call a lent GPU runs, checked on the CPU against the current code: every training
+command's overrides compose and pass `validate`, every benchmark command's flags pass the benchmark's own checks,
+the test selection exists, and the step names its header and the READMEs give are the steps it runs.
+
+The commands are the ones the script itself builds: `DRY_RUN=1 bash scripts/gpu_all.sh` lists each step's argv."""
+
+from __future__ import annotations
+
+import os
+import re
+import shlex
+import subprocess
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "scripts" / "gpu_all.sh"
+STEP = re.compile(r"\[([\w.-]+)\] (\d+)s: (.*)")
+
+
+@pytest.fixture(scope="module")
+def steps(tmp_path_factory) -> dict[str, str]:
+    """Step name -> its command line (bash-quoted), every step included (BIBTEX=1 with a data folder)."""
+    home = tmp_path_factory.mktemp("home")
+    env = {"PATH": os.environ["PATH"], "HOME": str(home), "DRY_RUN": "1", "BIBTEX": "1",
+           "XMC_SHARED_DATA": str(home)}
+    listed = subprocess.run(["bash", str(SCRIPT)], env=env, capture_output=True, text=True, timeout=60)
+    assert listed.returncode == 0, listed.stderr
+    found = [STEP.fullmatch(line) for line in listed.stdout.splitlines()]
+    assert all(found), listed.stdout
+    return {m.group(1): m.group(3) for m in found}
+
+
+def _argv(command: str) -> tuple[dict[str, str], list[str]]:
+    """(the `env` assignments, the rest) of a step's command line."""
+    words = shlex.split(command)
+    assigned = {}
+    if words[0] == "env":
+        words.pop(0)
+        while "=" in words[0]:
+            key, _, value = words.pop(0).partition("=")
+            assigned[key] = value
+    return assigned, words
+
+
+def _commands(steps, module: str) -> dict[str, tuple[dict[str, str], list[str]]]:
+    """The steps that run `python3 -m <module>`: name -> (env assignments, the module's arguments)."""
+    chosen = {}
+    for name, command in steps.items():
+        if command.startswith(("bash -c", "env XMC_SPARSE_BACKEND=compiled python3 -c")):  # the inline programs
+            continue
+        assigned, words = _argv(command)
+        if words[:3] == ["python3", "-m", module]:
+            chosen[name] = (assigned, words[3:])
+    return chosen
+
+
+def test_the_header_lists_the_steps_in_their_order(steps):
+    text = SCRIPT.read_text()
+    listed = re.search(r"# Steps, in this order \([^)]*\): (.*?)\.\n", text, re.S).group(1)
+    assert re.sub(r"\s*#\s*", " ", listed).split() == list(steps)
+    for example in re.findall(r'SKIP="([^"]*)"', text):
+        assert set(example.replace("...", "").split()) <= set(steps), example
+
+
+def test_the_readmes_name_steps_that_exist(steps):
+    for doc in ("README.md", "cuda_ext/README.md", "results/bench/README.md"):
+        for name in re.findall(r"`((?:memory|model|epoch|bibtex)-[a-z0-9-]+)`", (ROOT / doc).read_text()):
+            assert name in steps, f"{doc} names the step {name}"
+
+
+def test_every_training_command_composes_and_validates(steps):
+    from hydra import compose, initialize_config_dir
+
+    from xmc_repro.cli import added_setting
+    from xmc_repro.resources import resource_dir
+    from xmc_repro.sparse.op import rows_phases
+    from xmc_repro.validation import validate
+
+    runs = _commands(steps, "xmc_repro")
+    assert {"memory-graph-true", "epoch-32-true", "epoch-dense-32-true", "bibtex-rows-32-true"} <= set(runs)
+    with initialize_config_dir(str(resource_dir("conf")), version_base="1.3"):
+        for name, (assigned, overrides) in runs.items():
+            kernels = assigned.get("XMC_SPARSE_KERNELS", "threads").replace("PHASES", "forward")
+            rows_phases(kernels)  # the op reads it at registration: a bad value fails there
+            assert added_setting(overrides) is None, name
+            cfg = compose("config", overrides=overrides)  # an unknown setting raises here
+            validate(cfg)
+            assert cfg.table == "gpu_check", name
+
+
+class _Parsed(Exception):
+    """Raised where the benchmark would start timing: every check of its flags has passed."""
+
+
+def test_every_benchmark_command_passes_the_flag_checks(steps, monkeypatch):
+    import torch
+
+    from xmc_repro import bench
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # the flags as on the GPU (--device cuda)
+    monkeypatch.setattr(bench, "usable_out", lambda out: None)  # no folder made here
+    monkeypatch.setattr(bench.sparse_op, "ensure_registered", lambda: (_ for _ in ()).throw(_Parsed()))
+    runs = _commands(steps, "xmc_repro.bench")
+    assert set(runs) == {"layer", "model", "model-rows"}
+    for name, (assigned, argv) in runs.items():
+        bench.sparse_op.rows_phases(assigned.get("XMC_SPARSE_KERNELS"))
+        with pytest.raises(_Parsed):
+            bench.main(argv)
+
+
+def test_the_layer_benchmarks_choice_is_what_the_mixed_epoch_reads():
+    from xmc_repro import bench
+    from xmc_repro.sparse.op import ROWS_PHASES
+
+    pattern = re.search(r'grep -oE "(XMC_SPARSE_KERNELS=rows:[^"]+)" "\$LOGS/layer.log"', SCRIPT.read_text()).group(1)
+    faster = set(ROWS_PHASES[1:])
+    rows = [{"case": "c", "method": method, "phase": phase, "ms": 1.0 if (method == bench.ROWS) == (phase in faster)
+             else 2.0} for method in ("uniform", bench.ROWS) for phase in ROWS_PHASES]
+    choice = bench.rows_choice(rows)
+    assert choice == "rows:" + ",".join(ROWS_PHASES[1:])
+    assert re.fullmatch(pattern, f"XMC_SPARSE_KERNELS={choice}")
+    assert "fastest kernels per phase: XMC_SPARSE_KERNELS={choice}" in Path(bench.__file__).read_text()
+
+
+def test_the_test_selection_and_the_build_step_exist(steps):
+    text = (ROOT / "pyproject.toml").read_text()
+    words = shlex.split(steps["tests"])
+    assert words[:3] == ["python3", "-m", "pytest"]
+    options = {w: v for w, v in zip(words[3:], words[4:]) if w in ("-m", "-p")}  # the options that take a value
+    marker = options["-m"]
+    assert re.search(rf'"{marker}: ', text), f"marker {marker} is not registered"
+    paths = [w for i, w in enumerate(words[3:], 3) if not w.startswith("-") and words[i - 1] not in options]
+    paths += re.findall(r"tests/test_\w+\.py", SCRIPT.read_text())  # the header's TESTS example
+    assert paths and all((ROOT / p).exists() for p in paths), paths
+    from xmc_repro.sparse import build, op
+
+    for module, attribute in re.findall(r"\b(build|op)\.(\w+)\(", steps["build"]):
+        assert hasattr({"build": build, "op": op}[module], attribute), f"{module}.{attribute}"
+
+
+def test_the_scripts_parse_and_the_collector_reads_the_packed_folder():
+    for script in sorted((ROOT / "scripts").glob("*.sh")):
+        checked = subprocess.run(["bash", "-n", str(script)], capture_output=True, text=True)
+        assert checked.returncode == 0, checked.stderr
+    text = SCRIPT.read_text()
+    for called in re.findall(r"scripts/[\w.]+\.(?:py|sh)", text):
+        assert (ROOT / called).is_file(), called
+    packed = Path(re.search(r"^LOGS=(\S+)$", text, re.M).group(1)).name
+    assert f"logs=$tmp/{packed}\n" in (ROOT / "scripts" / "gpu_collect.sh").read_text()
