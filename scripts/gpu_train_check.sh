@@ -9,7 +9,7 @@
 # on it). The pipeline runs share a deadline of BUDGET_S seconds from the start of the script.
 # The GPU image lacks hydra and mlflow: carry .whl/ built by ../shared/gpu/wheels.sh.
 set -uo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/.." || exit 1
 OUT=${OUT:-/tmp/xmc_gpu_train}
 mkdir -p "$OUT"
 if ! python3 -c "import hydra, mlflow" 2>/dev/null; then
