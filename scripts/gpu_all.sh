@@ -29,9 +29,10 @@
 #   memory-graph-true memory-graph-false model model-rows epoch-32-true epoch-rows-32-true epoch-mixed-32-true
 #   epoch-bf16-mixed epoch-dense-32-true bibtex-32-true bibtex-bf16-mixed bibtex-rows-32-true.
 # Each step has its own timeout (together about 2,000 s), all share a deadline of BUDGET_S seconds (470 by default,
-# from the script's start, the wheels' install included), and a failing step does not stop the next: the deadline
-# skips the steps that no longer fit, so a call that needs the later ones SKIPs earlier ones. DRY_RUN=1 lists each
-# step's command (SKIP applied, no deadline) and runs nothing. LAYER_CASES: the layer benchmark's cases (default 2).
+# from the script's start, the wheels' install included), and a failing step does not stop the next (the script
+# then exits with 1): the deadline skips the steps that no longer fit, so a call that needs the later ones SKIPs
+# earlier ones. DRY_RUN=1 lists each step's command (SKIP applied, no deadline) and runs nothing. LAYER_CASES: the
+# layer benchmark's cases (default 2).
 # Logs (steps.log: each step's exit status and seconds), results and the MLflow store are packed into
 # $OUT/gpu_all.tgz (few files come back); a summary is printed last. hydra and mlflow: carry .whl/ from
 # ../shared/gpu/wheels.sh.
@@ -143,3 +144,6 @@ for p in 32-true rows-32-true mixed-32-true bf16-mixed dense-32-true; do [ -f "$
 cat "$LOGS/step-times.md"
 sed -n '/^case /,$p' "$LOGS/layer.log"
 for p in 32-true bf16-mixed rows-32-true; do [ -f "$LOGS/bibtex-$p.log" ] && grep -E "test|seconds per epoch" "$LOGS/bibtex-$p.log" | tail -3; done
+# the exit status: 1 when a step failed or ran out of time (the summary's first lines say which), else 0
+case " ${status[*]} " in *": exit "[1-9]*) exit 1;; esac
+exit 0
