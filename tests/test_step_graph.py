@@ -39,7 +39,7 @@ def test_positions_from_the_fixed_buffers_are_the_sorted_list_padded_with_its_la
     capacity = idx.numel() + int(torch.randint(0, 9, (1,), generator=gen))
     got = padded_positions(ptr[1:].clone(), _buffer(idx, capacity), labels)
     assert got.tolist() == want.tolist() + [want[-1].item()] * (capacity - idx.numel())
-    in_order = flat_keys(ptr, idx, labels)  # the squared hinge's form: list order, padded with -1
+    in_order = flat_keys(ptr, idx, labels)  # the losses' form: list order, padded with -1
     got = padded_positions(ptr[1:].clone(), _buffer(idx, capacity), labels, sort=False)
     assert got.tolist() == in_order.tolist() + [-1] * (capacity - idx.numel())
 

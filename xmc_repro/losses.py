@@ -201,7 +201,8 @@ def bce_loss(scores: torch.Tensor, label_ptr: torch.Tensor, label_idx: torch.Ten
 
 
 # The form a CUDA-graph step calls with a fixed-size list (xmc_repro.step_graph): both in any order, padded with
-# -1 (no sort in the step); the squared hinge's as the root of backward.
+# -1, so the step sorts nothing for the squared hinge (BCE sorts its list itself, to count a repeat once); the
+# squared hinge's as the root of backward.
 squared_hinge_loss.from_positions = squared_hinge_from_positions
 squared_hinge_from_positions.any_order = squared_hinge_from_positions.takes_root = True
 bce_loss.from_positions = bce_from_positions
