@@ -412,7 +412,6 @@ def test_a_reopen_that_fails_after_its_status_write_puts_the_status_back(tmp_pat
     assert MlflowClient(uri).get_run(first.run_id).info.status == "FAILED"
 
 
-
 def _failing_after_create(monkeypatch, error: Exception, calls=("update_run", "set_tag", "set_terminated"),
                           first_failure=None):
     """MlflowClient whose `calls` raise `error` once a run was created (as a store locked or filled from then on);
