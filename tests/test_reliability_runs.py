@@ -645,3 +645,20 @@ def test_a_run_failed_by_a_locked_store_is_closed_briefly_or_said_to_show_runnin
                             "closes it")
     monkeypatch.undo()
     RunTracker(cfg.logger.tracking_uri, "xmc_repro", run_id=run.info.run_id).finish("FAILED", "closed by the test")
+
+
+def test_ctrl_c_again_while_the_closing_imports_still_names_the_runs(tmp_path, monkeypatch):
+    """Closing a stopped sweep's runs first imports Lightning and MLflow (seconds): a second Ctrl+C then ended in a
+    traceback that named none of the runs left RUNNING."""
+    from xmc_repro import entry, resume
+
+    listed = tmp_path / "runs.txt"
+    listed.write_text("".join(f"run{i}\tsqlite:///x.db\t{tmp_path / f'run{i}'}\n" for i in range(2)))
+
+    def interrupted(path, why):
+        raise KeyboardInterrupt()
+
+    monkeypatch.setattr(resume, "close_interrupted", interrupted)
+    assert entry._close_killed_jobs(listed, "Ctrl+C") == (
+        "; the runs run0, run1 could not be marked FAILED (interrupted again before closing them) and may show "
+        "RUNNING: once the store is writable, resume=<its id> continues or closes each")

@@ -300,6 +300,19 @@ def _report_outside_jobs(error: Exception) -> None:
     sys.exit(1)
 
 
+def _close_killed_jobs(started: Path, why: str) -> str:
+    """Close the runs of the jobs a launcher killed (listed in `started`); the `; ...` clauses that say so."""
+    from xmc_repro import sweep_files
+
+    try:
+        from xmc_repro.resume import close_interrupted  # seconds of imports (Lightning, MLflow)
+
+        return _closing(*close_interrupted(started, why), "killed jobs")
+    except KeyboardInterrupt:  # Ctrl+C again during those imports: name the runs, closed or not
+        ids = [run_id for run_id, _, _ in sweep_files.listed_runs(started)]
+        return _closing([], sweep_files.unclosed(ids, ["interrupted again before closing them"]), "killed jobs")
+
+
 def _closing(closed: list[str], unclosed: str, jobs: str) -> str:
     """`; ...` clauses of the one line saying what became of the runs of `jobs` a sweep's launcher stopped
     (`close_interrupted`'s result)."""
@@ -359,11 +372,7 @@ def main() -> None:
         if full_errors():
             raise
         why = "SIGTERM" if isinstance(error, SweepTerminated) else "Ctrl+C"
-        closing = ""
-        if started.is_file():  # the runs of jobs the launcher killed; none listed: no import (a signal that came
-            from xmc_repro.resume import close_interrupted  # during the imports leaves them half done)
-
-            closing = _closing(*close_interrupted(started, why), "killed jobs")
+        closing = _close_killed_jobs(started, why) if started.is_file() else ""  # none listed: no import
         after = getattr(error, "run_failure", None)  # a run's summary, cut short
         print(f"error: interrupted ({why}){' ' + after if after else ''}{closing}", file=sys.stderr)
         sys.exit(143 if why == "SIGTERM" else 130)

@@ -18,7 +18,7 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 from xmc_repro import checkpoints
 from xmc_repro.cli import STARTED_RUNS_ENV
 from xmc_repro.errors import ConfigError, StorageError
-from xmc_repro.sweep_files import alive
+from xmc_repro.sweep_files import alive, listed_runs, unclosed
 from xmc_repro.validation import implied_before
 
 CHECKPOINT_ROOT = Path("checkpoints")
@@ -162,8 +162,7 @@ def close_interrupted(path: Path, why: str) -> tuple[list[str], str]:
     Returns the ids it marked FAILED, and a clause naming the runs it could not close ("" when none). The user waits
     for the prompt meanwhile: a locked store gets CLOSE_RETRY_SECONDS for all runs together, and once it has refused,
     its other runs are not tried (each try may also wait out SQLite's own busy timeout); Ctrl+C again stops it."""
-    lines = path.read_text(encoding="utf-8").splitlines() if path.is_file() else []
-    listed = [line.split("\t") for line in lines if line.count("\t") == 2]
+    listed = listed_runs(path)
     if not listed:
         return [], ""  # no job started a run: nothing to close (and no MLflow to load)
     from mlflow.tracking import MlflowClient
@@ -203,19 +202,7 @@ def close_interrupted(path: Path, why: str) -> tuple[list[str], str]:
             left.append(run_id)
             continue
         closed.append(run_id)
-    return closed, _unclosed(left, list(reasons))
-
-
-def _unclosed(run_ids: list[str], reasons: list[str]) -> str:
-    """The clause naming the runs `close_interrupted` could not close, and how to close them ("" when none)."""
-    if not run_ids:
-        return ""
-    if len(run_ids) == 1:
-        which, how = f"the run {run_ids[0]}", f"resume={run_ids[0]} continues or closes it"
-    else:
-        which, how = f"the runs {', '.join(run_ids)}", "resume=<its id> continues or closes each"
-    return (f"{which} could not be marked FAILED ({'; '.join(reasons)}) and may show RUNNING: once the store is "
-            f"writable, {how}")
+    return closed, unclosed(left, list(reasons))
 
 
 def resume_config(cfg: DictConfig, stored: DictConfig, explicit: list[str]) -> DictConfig:

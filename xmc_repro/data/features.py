@@ -66,7 +66,7 @@ def check_finite(x: np.ndarray, path) -> None:
 
 
 def normalize_rows(x: sp.csr_matrix, how: str) -> sp.csr_matrix:
-    """Bag-of-words rows scaled to unit L2 norm (``l2``) or left as they are (``none``); float32."""
+    """Bag-of-words rows scaled to unit L2 norm, as float32 (``l2``), or the matrix as given (``none``)."""
     if how == "none":
         return x
     x = sp.csr_matrix(x)
