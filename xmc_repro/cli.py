@@ -221,6 +221,18 @@ def task_overrides(hydra_config) -> list[str]:
     return OmegaConf.to_container(hydra_config.overrides.task, resolve=False)
 
 
+def sweep_config():
+    """Hydra's config of a job of a multirun; None for a single run (or outside Hydra: tests, library use)."""
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+
+    try:
+        hc = HydraConfig.get()
+    except ValueError:
+        return None
+    return hc if hc.mode == RunMode.MULTIRUN else None
+
+
 def swept_overrides(hydra_config) -> list[str]:
     """This job's overrides of the settings its sweep varies (`model.connectivity=100` of `model.connectivity=8,100,4`
     or of a preset's `hydra.sweeper.params`): what tells it from the sweep's other jobs, whose settings Hydra's log

@@ -72,24 +72,13 @@ def print_summary(cfg: DictConfig, results: dict) -> None:
                   soft_wrap=True, markup=False, highlight=False)
 
 
-def _sweep_config():
-    """Hydra's config of a job of a multirun; None for a single run."""
-    from hydra.core.hydra_config import HydraConfig
-    from hydra.types import RunMode
-
-    try:
-        hc = HydraConfig.get()
-    except ValueError:
-        return None
-    return hc if hc.mode == RunMode.MULTIRUN else None
-
-
 def _sweep_job() -> str | None:
     """`#<num> (<the overrides the sweep varies>)` for a job of a Hydra multirun; None for a single run."""
-    hc = _sweep_config()
+    from xmc_repro.cli import sweep_config, swept_overrides
+
+    hc = sweep_config()
     if hc is None:
         return None
-    from xmc_repro.cli import swept_overrides
 
     varied = swept_overrides(hc)
     return f"#{hc.job.num}" + (f" ({' '.join(varied)})" if varied else "")
@@ -145,7 +134,9 @@ def _task(cfg: DictConfig):
         code = getattr(error, "code", None)
         fallback = code if isinstance(code, int) and code else 1
         sys.exit({"SIGTERM": 143, "Ctrl+C": 130}.get(interruption(error), fallback))
-    if _sweep_config() is not None:
+    from xmc_repro.cli import sweep_config
+
+    if sweep_config() is not None:
         _record_outcome("ok")
     if results:  # empty on DDP ranks other than 0, which record and report nothing
         try:

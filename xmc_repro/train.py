@@ -25,6 +25,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from xmc_repro import checkpoints, tracking
 from xmc_repro.callbacks import MemoryPeakReport, SigtermStopsEveryRank, StepProfile, sigterm_noted
+from xmc_repro.cli import sweep_config
 from xmc_repro.console import EpochLine, EvaluationProgress, ProgressBar
 from xmc_repro.data import build_datamodule
 from xmc_repro.describe import run_name
@@ -220,14 +221,8 @@ def explicit_settings() -> list[str]:
 
 def sweep_tags() -> dict[str, str]:
     """sweep_id and job number of a Hydra multirun job; nothing for a single run."""
-    try:
-        from hydra.core.hydra_config import HydraConfig
-        from hydra.types import RunMode
-
-        hc = HydraConfig.get()
-    except ValueError:  # not launched by Hydra (tests, library use)
-        return {}
-    if hc.mode != RunMode.MULTIRUN:
+    hc = sweep_config()
+    if hc is None:
         return {}
     return {"sweep_id": Path(hc.sweep.dir).as_posix(), "job_num": str(hc.job.num)}
 
