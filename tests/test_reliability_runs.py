@@ -325,13 +325,13 @@ import os, sys, time
 import xmc_repro.entry as entry
 from xmc_repro.cli import STARTED_RUNS_ENV
 
-wait = float(sys.argv[1])
+wait, run = float(sys.argv[1]), sys.argv[2]  # run: "<id>\\t<store>\\t<folder>"
 
 
 def task():  # a job's bookkeeping (its outcome, its run), then `wait` seconds
     entry._record_outcome("ok")
     with open(os.environ[STARTED_RUNS_ENV], "a") as handle:
-        handle.write("r1\\tsqlite:///mlruns.db\\tcheckpoints/r1\\n")
+        handle.write(run + "\\n")
     print("written", flush=True)
     time.sleep(wait)
 
@@ -341,13 +341,21 @@ entry.main()
 """
 
 
-def test_a_sweep_killed_with_sigkill_leaves_files_the_next_start_removes(tmp_path):
+def test_a_sweep_killed_with_sigkill_leaves_files_the_next_start_removes(tmp_path, store):
     """A sweep killed with SIGKILL cannot remove its hidden files in multirun/: they piled up there, one pair per
-    killed sweep. The next start removes those of this host whose process is gone, and only those."""
-    from xmc_repro import sweep_files
+    killed sweep, and the runs its jobs had open stayed RUNNING. The next start closes those runs and removes the
+    files of this host whose process is gone, and only those."""
+    from mlflow.tracking import MlflowClient
 
+    from xmc_repro import sweep_files
+    from xmc_repro.tracking import RunTracker
+
+    copy_store(store, tmp_path)
+    uri = f"sqlite:///{tmp_path / 'mlruns.db'}"
+    left_open = RunTracker(uri, "e").run_id  # a job's run, RUNNING when its sweep was killed
+    run = f"{left_open}\t{uri}\t{tmp_path / 'checkpoints' / left_open}"
     (tmp_path / "sweep.py").write_text(SWEEP_WRITING)
-    killed = subprocess.Popen([sys.executable, str(tmp_path / "sweep.py"), "120"], cwd=tmp_path, env=cli_env(),
+    killed = subprocess.Popen([sys.executable, str(tmp_path / "sweep.py"), "120", run], cwd=tmp_path, env=cli_env(),
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     assert killed.stdout.readline() == "written\n", killed.stderr.read()[-2000:]
     killed.kill()
@@ -361,10 +369,13 @@ def test_a_sweep_killed_with_sigkill_leaves_files_the_next_start_removes(tmp_pat
     other = folder / ".notes.txt"
     for path in (legacy, live, elsewhere, other):
         path.write_text("r2\n")
-    done = subprocess.run([sys.executable, str(tmp_path / "sweep.py"), "0"], cwd=tmp_path, env=cli_env(),
-                          capture_output=True, text=True, timeout=120)
+    done = subprocess.run([sys.executable, str(tmp_path / "sweep.py"), "0", "r3\tsqlite:///x.db\tnowhere"],
+                          cwd=tmp_path, env=cli_env(), capture_output=True, text=True, timeout=120)
     assert done.returncode == 0 and done.stdout == "written\n", done.stderr[-2000:]
     assert sorted(folder.iterdir()) == sorted([live, elsewhere, other])  # and none of the finished sweep's own
+    assert MlflowClient(uri).get_run(left_open).info.status == "FAILED"
+    assert (f"note: the runs of a process killed here before are marked FAILED ({left_open}): continue each with "
+            "resume=<its id>") in done.stderr
 
 
 SIGTERM_HANDLER = """
@@ -662,3 +673,26 @@ def test_ctrl_c_again_while_the_closing_imports_still_names_the_runs(tmp_path, m
     assert entry._close_killed_jobs(listed, "Ctrl+C") == (
         "; the runs run0, run1 could not be marked FAILED (interrupted again before closing them) and may show "
         "RUNNING: once the store is writable, resume=<its id> continues or closes each")
+
+
+def test_ctrl_c_while_a_start_closes_a_killed_sweeps_runs_stops_that_start(tmp_path, store, monkeypatch):
+    """The runs a SIGKILLed sweep left open are closed as the next command starts: Ctrl+C meanwhile must stop that
+    command (exit 130), not be taken as the end of the closing and let training start."""
+    from mlflow.tracking import MlflowClient
+
+    from xmc_repro.resume import close_interrupted
+    from xmc_repro.tracking import RunTracker
+
+    copy_store(store, tmp_path)
+    uri = f"sqlite:///{tmp_path / 'mlruns.db'}"
+    run_id = RunTracker(uri, "e").run_id
+    listed = tmp_path / "runs.txt"
+    listed.write_text(f"{run_id}\t{uri}\t{tmp_path / run_id}\n")
+
+    def interrupted(self, run_id):
+        raise KeyboardInterrupt()
+
+    monkeypatch.setattr(MlflowClient, "get_run", interrupted)
+    assert close_interrupted(listed, "SIGKILL")[1].endswith("resume=" + run_id + " continues or closes it")
+    with pytest.raises(KeyboardInterrupt):
+        close_interrupted(listed, "SIGKILL", stop_on_ctrl_c=True)

@@ -291,6 +291,22 @@ def _report_outside_jobs(error: Exception) -> None:
     sys.exit(1)
 
 
+def _tidy_killed_sweeps(folder: Path) -> None:
+    """The hidden files of this host's sweeps (or runs) killed with SIGKILL, which could not remove them: the runs
+    they list that their jobs left RUNNING are marked FAILED (and named), then the files are removed."""
+    from xmc_repro import sweep_files
+
+    stale = sweep_files.stale(folder)
+    for path in stale:
+        if path.name.startswith(".runs-") and sweep_files.listed_runs(path):
+            from xmc_repro.resume import close_interrupted  # Ctrl+C meanwhile stops the start; the files stay
+
+            closing = _closing(*close_interrupted(path, "SIGKILL", stop_on_ctrl_c=True), "a process killed here before")
+            if closing:
+                print(f"note: {closing.removeprefix('; ')}", file=sys.stderr)
+    sweep_files.remove(stale)
+
+
 def _close_killed_jobs(started: Path, why: str) -> str:
     """Close the runs of the jobs a launcher killed (listed in `started`); the `; ...` clauses that say so."""
     from xmc_repro import sweep_files
@@ -348,7 +364,6 @@ def main() -> None:
     from xmc_repro import sweep_files
     from xmc_repro.cli import STARTED_RUNS_ENV
 
-    sweep_files.remove_stale(Path.cwd() / "multirun")  # those of sweeps killed before they could remove them
     outcomes, started = sweep_files.paths(Path.cwd() / "multirun")
     os.environ[OUTCOMES_ENV] = str(outcomes)  # jobs in other processes inherit it
     os.environ[STARTED_RUNS_ENV] = str(started)
@@ -358,6 +373,7 @@ def main() -> None:
         # exit(1) instead of its one line `rank N: interrupted (SIGTERM)` and exit status 143.
         signal.signal(signal.SIGTERM, _sigterm_stops_like_ctrl_c)
     try:
+        _tidy_killed_sweeps(Path.cwd() / "multirun")
         _run_task()
     except KeyboardInterrupt as error:  # outside a run (a run reports its own), e.g. in a launcher's (joblib's) wait
         if full_errors():

@@ -155,13 +155,14 @@ def note_started(run_id: str, tracking_uri: str, run_dir: Path) -> None:
             handle.write(f"{run_id}\t{tracking_uri}\t{run_dir.resolve()}\n")
 
 
-def close_interrupted(path: Path, why: str) -> tuple[list[str], str]:
+def close_interrupted(path: Path, why: str, stop_on_ctrl_c: bool = False) -> tuple[list[str], str]:
     """After a sweep was interrupted: mark FAILED the listed runs that are still RUNNING with no process writing them.
     A launcher such as joblib kills its workers on Ctrl+C, before a job can close its own run.
 
     Returns the ids it marked FAILED, and a clause naming the runs it could not close ("" when none). The user waits
     for the prompt meanwhile: a locked store gets CLOSE_RETRY_SECONDS for all runs together, and once it has refused,
-    its other runs are not tried (each try may also wait out SQLite's own busy timeout); Ctrl+C again stops it."""
+    its other runs are not tried (each try may also wait out SQLite's own busy timeout); Ctrl+C again stops it
+    (`stop_on_ctrl_c`: and is raised, where no Ctrl+C came before)."""
     listed = listed_runs(path)
     if not listed:
         return [], ""  # no job started a run: nothing to close (and no MLflow to load)
@@ -190,6 +191,8 @@ def close_interrupted(path: Path, why: str) -> tuple[list[str], str]:
             with_retries(client.set_tag, run_id, "error", message, deadline=deadline)
             with_retries(client.set_terminated, run_id, "FAILED", deadline=deadline)
         except KeyboardInterrupt:  # Ctrl+C (or SIGTERM) again: stop here and name what is left
+            if stop_on_ctrl_c:
+                raise
             reasons["interrupted while closing them"] = None
             left += [other for other, _, folder in listed[index:] if not checkpoints.RunLock(Path(folder)).is_held()]
             break

@@ -1,7 +1,7 @@
 """The hidden files a sweep's own process shares with its jobs, under `multirun/`: `.outcomes-<id>.txt` (each job's
 outcome, for the sweep's last line) and `.runs-<id>.txt` (the runs its jobs opened, closed by the sweep if its
 launcher kills them). The sweep removes both as it ends; one killed with SIGKILL cannot, so every start removes
-those whose process is gone.
+those whose process is gone, after closing the runs they list that its jobs left RUNNING.
 
 `<id>` is `<host>-<pid>-<8 hex digits>`: a pid alone is reused, and a folder shared between machines (a cluster's
 home) holds sweeps of other hosts, whose pids mean nothing here. Imports nothing heavy: it runs before every run.
@@ -29,25 +29,32 @@ def paths(folder: Path) -> tuple[Path, Path]:
     return folder / f".outcomes-{sweep}.txt", folder / f".runs-{sweep}.txt"
 
 
-def remove_stale(folder: Path) -> list[Path]:
-    """Remove the files of this host's sweeps whose process is gone; returns them. Errors are left unsaid: an
-    unreadable folder is reported by what writes there."""
-    removed = []
+def stale(folder: Path) -> list[Path]:
+    """The files of this host's sweeps whose process is gone. An unreadable folder gives none: what writes there
+    reports it."""
     try:
         found = list(folder.iterdir()) if folder.is_dir() else []
     except OSError:
-        return removed
+        return []
+    gone = []
     for path in found:
         match = _NAME.fullmatch(path.name)
         if not match or match["host"] not in (None, _host()):
             continue
         try:
             if not alive(int(match["pid"]), path.stat().st_mtime):
-                path.unlink()
-                removed.append(path)
-        except OSError:  # removed meanwhile by another sweep, or not ours to remove
+                gone.append(path)
+        except OSError:  # removed meanwhile by another sweep
             continue
-    return removed
+    return gone
+
+
+def remove(paths: list[Path]) -> None:
+    for path in paths:
+        try:
+            path.unlink(missing_ok=True)
+        except OSError:  # not ours to remove
+            continue
 
 
 def alive(pid: int, since_s: float | None) -> bool:
