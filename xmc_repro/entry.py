@@ -292,7 +292,7 @@ def _report_outside_jobs(error: Exception) -> None:
 
 
 def _tidy_killed_sweeps(folder: Path) -> None:
-    """The hidden files of this host's sweeps (or runs) killed with SIGKILL, which could not remove them: the runs
+    """The hidden files of this host's sweeps killed with SIGKILL, which could not remove them: the runs
     they list that their jobs left RUNNING are marked FAILED (and named), then the files are removed."""
     from xmc_repro import sweep_files
 
