@@ -50,10 +50,11 @@ def stale(folder: Path) -> list[Path]:
 
 
 def remove(paths: list[Path]) -> None:
+    """Remove `paths`; one already removed (by another start) or not ours to remove is left unsaid."""
     for path in paths:
         try:
             path.unlink(missing_ok=True)
-        except OSError:  # not ours to remove
+        except OSError:
             continue
 
 
