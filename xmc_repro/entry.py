@@ -367,13 +367,15 @@ def main() -> None:
     outcomes, started = sweep_files.paths(Path.cwd() / "multirun")
     os.environ[OUTCOMES_ENV] = str(outcomes)  # jobs in other processes inherit it
     os.environ[STARTED_RUNS_ENV] = str(started)
-    if not _rank_prefix():  # a run replaces it while open, then puts it back
+    rank_zero = not _rank_prefix()
+    if rank_zero:  # a run replaces it while open, then puts it back
         # Not in a DDP rank other than 0 (torchrun, srun start every rank through main): inside fit, Lightning
         # calls the handler it finds after its own, and a KeyboardInterrupt there ends the rank in a silent
         # exit(1) instead of its one line `rank N: interrupted (SIGTERM)` and exit status 143.
         signal.signal(signal.SIGTERM, _sigterm_stops_like_ctrl_c)
     try:
-        _tidy_killed_sweeps(Path.cwd() / "multirun")
+        if rank_zero:  # torchrun, srun start every rank through main: one closes what a killed sweep left
+            _tidy_killed_sweeps(Path.cwd() / "multirun")
         _run_task()
     except KeyboardInterrupt as error:  # outside a run (a run reports its own), e.g. in a launcher's (joblib's) wait
         if full_errors():
