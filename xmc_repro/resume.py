@@ -133,12 +133,11 @@ def _stored_run(tracking_uri: str, run_id: str):
 
 def _mark_failed(client, run_id: str) -> str:
     """Mark a RUNNING run whose process is gone FAILED; the line that says so."""
-    from xmc_repro.tracking import with_retries
+    from xmc_repro.tracking import mark_failed
 
     message = "stopped before its first checkpoint (its process ended without closing it); nothing to resume"
     try:
-        with_retries(client.set_tag, run_id, "error", message)
-        with_retries(client.set_terminated, run_id, "FAILED")
+        mark_failed(client, run_id, message)
     except Exception as error:
         reason = " ".join(f"{type(error).__name__}: {error}".split())[:200]
         return f"run {run_id} {message}; marking it FAILED failed ({reason}): retry once the store is writable"
@@ -169,7 +168,7 @@ def close_interrupted(path: Path, why: str, stop_on_ctrl_c: bool = False) -> tup
     from mlflow.tracking import MlflowClient
 
     from xmc_repro import tracking
-    from xmc_repro.tracking import NO_SUCH_RUN, is_contention, short_error, with_retries
+    from xmc_repro.tracking import NO_SUCH_RUN, is_contention, mark_failed, short_error, with_retries
 
     deadline = time.monotonic() + tracking.CLOSE_RETRY_SECONDS
     clients, locked, reasons = {}, set(), {}  # per store: its client; stores given up on; why runs stay open
@@ -188,8 +187,7 @@ def close_interrupted(path: Path, why: str, stop_on_ctrl_c: bool = False) -> tup
                 continue
             kept = (Path(run_dir) / checkpoints.LAST).is_file()
             message = f"interrupted ({why}); " + (f"continue it with resume={run_id}" if kept else "no checkpoint yet")
-            with_retries(client.set_tag, run_id, "error", message, deadline=deadline)
-            with_retries(client.set_terminated, run_id, "FAILED", deadline=deadline)
+            mark_failed(client, run_id, message, deadline)
         except KeyboardInterrupt:  # Ctrl+C (or SIGTERM) again: stop here and name what is left
             if stop_on_ctrl_c:
                 raise

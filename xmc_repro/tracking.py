@@ -118,6 +118,12 @@ def with_retries(fn, *args, while_waiting=None, deadline=None, **kwargs):
             delay = min(2 * delay, 5.0)
 
 
+def mark_failed(client, run_id: str, message: str, deadline: float | None = None) -> None:
+    """Tag a run's one-line `message` as `error` and close it FAILED, each write retried as `with_retries` does."""
+    with_retries(client.set_tag, run_id, "error", message, deadline=deadline)
+    with_retries(client.set_terminated, run_id, "FAILED", deadline=deadline)
+
+
 @contextmanager
 def _quiet(*loggers: str):
     """Only warnings and errors from these loggers meanwhile (or less, where a logger was quieter already)."""
@@ -306,9 +312,7 @@ class RunTracker:
         why = short_error(error) if isinstance(error, Exception) else "interrupted"
         deadline = time.monotonic() + CLOSE_RETRY_SECONDS
         try:
-            with_retries(self.client.set_tag, run_id, "error", f"the run could not be set up ({why})",
-                         deadline=deadline)
-            with_retries(self.client.set_terminated, run_id, "FAILED", deadline=deadline)
+            mark_failed(self.client, run_id, f"the run could not be set up ({why})", deadline)
         except Exception as close_error:
             return (f"the new MLflow run {run_id} could not be marked FAILED ({short_error(close_error)[:200]}) and "
                     f"shows RUNNING: once the store is writable, resume={run_id} closes it")
