@@ -67,10 +67,12 @@ def store(tmp_path):
     return tmp_path / "records"
 
 
-def log_run(directory, params, metrics, table="table1", scale="smoke", status="FINISHED", device=CPU, start=None):
+def log_run(directory, params, metrics, table="table1", scale="smoke", status="FINISHED", device=CPU, start=None,
+            world_size=None):
     """Write a record as `records add` would; returns its run id."""
     run_id = uuid.uuid4().hex
-    tags = {"table": table, "scale": scale, "device": device, "sparse_backend": "reference", "git_commit": "abc"}
+    tags = {"table": table, "scale": scale, "device": device, "sparse_backend": "reference", "git_commit": "abc",
+            "world_size": world_size}
     records.save({
         "run_id": run_id, "run_name": "", "status": status, "start_time": f"2026-01-01T00:00:{(start or 0) % 60:02d}",
         "end_time": "", "params": params, "metrics": metrics, "tags": {k: v for k, v in tags.items() if v},
@@ -546,6 +548,23 @@ def test_claims_hold_on_runs_that_show_them(store, tmp_path):
     assert "dense 9.70 GiB, uniform 32 + 32768 intermediate 1.20 GiB: 8.1x less" in text
     assert "uniform 32 + 32768 intermediate 1.5 s, dense 6.0 s per epoch: 4.0x" in text
     assert "run " in text and text.count("## C") == 8
+
+
+def test_a_ddp_run_is_its_own_row_and_no_one_gpu_run(store, tmp_path):
+    """Its time per epoch is that of several GPUs and its memory one rank's: never averaged with a one-GPU run's
+    seeds, and not the paper's "one GPU" (C7)."""
+    from xmc_repro.report.claims import evaluate
+
+    params = params_of(("Synthetic-Amazon-670K", "synthetic"), "uniform", 32, 32768)
+    log_run(store, params, metrics_of(0.1, memory=1.2, seconds=3.0), device=H200, scale="paper", world_size="1")
+    log_run(store, params, metrics_of(0.1, memory=1.3, seconds=1.6), device=H200, scale="paper", world_size="2")
+    runs = export(tmp_path / "runs.csv", store)
+    assert sorted((r["device"], r["time_per_epoch_s"]) for r in runs) == [(f"2 x {H200}", "1.6"), (H200, "3")]
+    claims = {c.key: c for c in evaluate(runs)}
+    assert claims["C7"].verdict == "holds" and f"2 x {H200}" not in claims["C7"].markdown()
+    (store / f"{[r for r in runs if r['device'] == H200][0]['run_ids']}.json").unlink()  # the DDP run alone
+    claims = {c.key: c for c in evaluate(export(tmp_path / "runs.csv", store))}
+    assert claims["C7"].verdict != "holds" and "no one-GPU run" in claims["C7"].markdown()
 
 
 def test_the_papers_4_gb_and_faster_epoch_claims_fail_on_runs_that_contradict_them(store, tmp_path):

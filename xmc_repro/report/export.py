@@ -1,10 +1,11 @@
 """Run records -> results/runs.csv: one row per configuration of the paper's tables and machine it ran on.
 
 Only FINISHED runs tagged with a `table` count (a FAILED or still RUNNING run is never a result). Per
-configuration (with the settings its runs differ in, `identity.split_by_settings`), machine (the `device` tag: a
-CPU, or the CUDA card's name) and seed the latest run wins (a rerun replaces the old one); over seeds the row
-gives the mean and the sample standard deviation of every metric. Runs of one configuration on two cards stay two
-rows: their memory and time are not comparable.
+configuration (with the settings its runs differ in, `identity.split_by_settings`), machine (`machine`: a CPU or
+the CUDA card's name, times the processes of a DDP run) and seed the latest run wins (a rerun replaces the old
+one); over seeds the row gives the mean and the sample standard deviation of every metric. Runs of one
+configuration on two cards, or on one and on several devices, stay two rows: their memory and time are not
+comparable.
 """
 
 from __future__ import annotations
@@ -55,7 +56,7 @@ def summarize(records: list[dict]) -> list[dict[str, str]]:
     split_by_settings(configs, params)
     for record, config in zip(records, configs):
         seed = _param(record["params"], "seed")
-        slot = (config_key(config), record["tags"].get("device", ""), seed)
+        slot = (config_key(config), machine(record["tags"]), seed)
         order = (record.get("start_time") or record.get("end_time") or "", record["run_id"])
         if slot not in latest or order > latest[slot]["order"]:
             latest[slot] = {"order": order, "config": config, "seed": seed, "record": record}
@@ -64,6 +65,19 @@ def summarize(records: list[dict]) -> list[dict[str, str]]:
     for (key, device, _), entry in latest.items():
         groups.setdefault((*key, device), []).append(entry)
     return [_row(groups[key]) for key in sorted(groups, key=natural_order)]
+
+
+def machine(tags: dict) -> str:
+    """What a run ran on: its `device` tag, preceded by "N x " for a DDP run of N processes (`world_size`), whose
+    time per epoch is that of N devices and whose memory is one rank's."""
+    device, ranks = tags.get("device", ""), tags.get("world_size", "")
+    return f"{ranks} x {device}" if device and ranks not in ("", "1") else device
+
+
+def on_one_device(row: dict) -> bool:
+    """Whether a runs.csv row ran in one process (not a DDP row of `machine`'s "N x " form)."""
+    count, times, _ = row["device"].partition(" x ")
+    return not (times and count.isdigit())
 
 
 def _param(params: dict, key: str) -> str:
@@ -89,7 +103,8 @@ def _row(entries: list[dict]) -> dict[str, str]:
     state = {model_state_bytes(run_records.used_params(r), r["metrics"]) for r in records}
     row[STATE_MIB] = _number(state.pop() / 2**20) if len(state) == 1 and None not in state else ""
     for tag in PROVENANCE:
-        row[tag] = "; ".join(sorted({r["tags"].get(tag, "") for r in records} - {""}))
+        values = {machine(r["tags"]) if tag == "device" else r["tags"].get(tag, "") for r in records}
+        row[tag] = "; ".join(sorted(values - {""}))
     row["run_ids"] = ";".join(i for r in records for i in (r.get("aggregate", {}).get("run_ids") or [r["run_id"]]))
     row["last_end_time"] = max(r.get("end_time") or "" for r in records)
     row["sources"] = "; ".join(sorted({r.get("source", "") for r in records} - {""}))
