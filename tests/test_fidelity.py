@@ -97,6 +97,7 @@ def test_adam_epsilon_is_keras_default():
     model = XMCClassifier(10, 20, head="dense")
     optimizer = model.configure_optimizers()["optimizer"]
     assert optimizer.defaults["eps"] == 1e-7 and isinstance(optimizer, KerasAdam)
+    assert optimizer.defaults["fused"]  # on the CPU too: about 10x faster than the multi-tensor path
     torch_adam = XMCClassifier(10, 20, head="dense", adam_eps_placement="torch").configure_optimizers()["optimizer"]
     assert type(torch_adam) is torch.optim.Adam
     with pytest.raises(ConfigError, match="trainer.adam_eps_placement='tf' is unknown"):
@@ -118,8 +119,9 @@ def _keras_adam_steps(p, grads, lr=1e-3, b1=0.9, b2=0.999, eps=1e-7):
     return p
 
 
+@pytest.mark.parametrize("fused", [True, None], ids=["fused", "foreach"])  # the model's (fused) and torch's default
 @pytest.mark.parametrize("device", DEVICES)
-def test_keras_adam_is_the_keras_update_and_resumes_where_it_stopped(device):
+def test_keras_adam_is_the_keras_update_and_resumes_where_it_stopped(device, fused):
     torch.manual_seed(0)
     start = torch.randn(7, 13, dtype=torch.float64) * 1e-3
     # gradients near epsilon's size, where its placement shows; one slot never gets a gradient
@@ -130,7 +132,7 @@ def test_keras_adam_is_the_keras_update_and_resumes_where_it_stopped(device):
 
     def run(optimizer_kind, steps, param=None, state=None):
         param = param if param is not None else nn.Parameter(start.clone().to(device))
-        optimizer = optimizer_kind([param], lr=1e-3, eps=1e-7, fused=device == "cuda" or None)  # as the model's
+        optimizer = optimizer_kind([param], lr=1e-3, eps=1e-7, fused=fused)
         if state is not None:
             optimizer.load_state_dict(state)
         for g in steps:

@@ -6,7 +6,7 @@ Keras adds its epsilon to sqrt(v) before the bias correction ("epsilon hat" in K
 
 torch adds it after. Both are the same update once torch's epsilon is eps / sqrt(1 - b2^t): 32 times Keras's at
 the first step, 2.7 times after 153 steps (one Bibtex epoch), within 1 % of it from step 3,925 on. `KerasAdam`
-sets that epsilon before each of torch's own steps (fused on CUDA), from a step count kept on the host, so nothing
+sets that epsilon before each of torch's own steps (fused on CUDA and CPU), from a step count kept on the host, so nothing
 is read back from the device.
 """
 
@@ -41,7 +41,14 @@ def _keras_epsilon(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
         group["eps"] = keras_eps / math.sqrt(1.0 - group["betas"][1] ** group["keras_steps"])
 
 
-def adam(params, lr: float, eps: float, placement: str, fused: bool | None) -> torch.optim.Adam:
-    """Adam with `eps` placed as `placement` says: "keras" (added before the bias correction) or "torch"."""
+# Devices where torch's fused Adam runs. It updates each parameter in one kernel, without the parameter-sized
+# temporaries of the multi-tensor path (at 670k labels a sizeable part of the peak GPU memory); on the CPU it is
+# also about 10x faster than that path (10.3M parameters, one thread: 5 ms against 54 ms a step).
+FUSED_ADAM_DEVICES = ("cuda", "cpu")
+
+
+def adam(params, lr: float, eps: float, placement: str, device: torch.device) -> torch.optim.Adam:
+    """Adam with `eps` placed as `placement` says: "keras" (added before the bias correction) or "torch";
+    fused where `device`, the parameters' device, has torch's fused kernel."""
     kind = KerasAdam if placement == "keras" else torch.optim.Adam
-    return kind(params, lr=lr, eps=eps, fused=fused)
+    return kind(params, lr=lr, eps=eps, fused=device.type in FUSED_ADAM_DEVICES or None)
