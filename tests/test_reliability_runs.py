@@ -286,8 +286,8 @@ def test_closing_a_sweeps_runs_takes_seconds_and_names_those_left_running(tmp_pa
         assert closed == ids[:1]
         reason = "interrupted while closing them"
     left = ids[len(closed):]
-    assert unclosed == (f"the runs {', '.join(left)} could not be marked FAILED ({reason}) and may show RUNNING: once "
-                        "the store is writable, resume=<its id> continues or closes each")
+    assert unclosed == (f"the MLflow runs {', '.join(left)} could not be marked FAILED ({reason}) and may show "
+                        "RUNNING: once the store is writable, resume=<its id> continues or closes each")
     assert [MlflowClient(uri).get_run(run_id).info.status for run_id in left] == ["RUNNING"] * len(left)
     from xmc_repro.entry import _closing  # the sweep's line
 
@@ -651,9 +651,9 @@ def test_a_run_failed_by_a_locked_store_is_closed_briefly_or_said_to_show_runnin
     assert run.info.status == "RUNNING"  # the store never let the close in
     message = info.value.run_failure
     assert "\n" not in message and message.startswith(f"the MLflow store {cfg.logger.tracking_uri} stayed locked")
-    assert message.endswith(f"the MLflow run could not be marked FAILED (OperationalError: database is locked) and "
-                            f"shows RUNNING: once the store is writable, resume={run.info.run_id} continues or "
-                            "closes it")
+    assert message.endswith(f"the MLflow run {run.info.run_id} could not be marked FAILED (OperationalError: database "
+                            f"is locked) and may show RUNNING: once the store is writable, resume={run.info.run_id} "
+                            "continues or closes it")
     monkeypatch.undo()
     RunTracker(cfg.logger.tracking_uri, "xmc_repro", run_id=run.info.run_id).finish("FAILED", "closed by the test")
 
@@ -671,7 +671,7 @@ def test_ctrl_c_again_while_the_closing_imports_still_names_the_runs(tmp_path, m
 
     monkeypatch.setattr(resume, "close_interrupted", interrupted)
     assert entry._close_killed_jobs(listed, "Ctrl+C") == (
-        "; the runs run0, run1 could not be marked FAILED (interrupted again before closing them) and may show "
+        "; the MLflow runs run0, run1 could not be marked FAILED (interrupted again before closing them) and may show "
         "RUNNING: once the store is writable, resume=<its id> continues or closes each")
 
 

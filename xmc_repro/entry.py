@@ -21,7 +21,7 @@ from pathlib import Path
 import hydra
 from omegaconf import DictConfig
 
-from xmc_repro.errors import ConfigError, UserError
+from xmc_repro.errors import ConfigError, UserError, left_running
 from xmc_repro.resources import resource_dir
 
 # conf/hydra/launcher/*.yaml take the names of the launcher plugins' own entries on purpose (every setting the
@@ -317,7 +317,7 @@ def _close_killed_jobs(started: Path, why: str) -> str:
         return _closing(*close_interrupted(started, why), "killed jobs")
     except KeyboardInterrupt:  # Ctrl+C again during those imports: name the runs, closed or not
         ids = [run_id for run_id, _, _ in sweep_files.listed_runs(started)]
-        return _closing([], sweep_files.unclosed(ids, ["interrupted again before closing them"]), "killed jobs")
+        return _closing([], left_running(ids, ["interrupted again before closing them"]), "killed jobs")
 
 
 def _closing(closed: list[str], unclosed: str, jobs: str) -> str:

@@ -17,8 +17,8 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from xmc_repro import checkpoints
 from xmc_repro.cli import STARTED_RUNS_ENV
-from xmc_repro.errors import ConfigError, StorageError
-from xmc_repro.sweep_files import alive, listed_runs, unclosed
+from xmc_repro.errors import ConfigError, StorageError, left_running
+from xmc_repro.sweep_files import alive, listed_runs
 from xmc_repro.validation import implied_before
 
 CHECKPOINT_ROOT = Path("checkpoints")
@@ -203,7 +203,7 @@ def close_interrupted(path: Path, why: str, stop_on_ctrl_c: bool = False) -> tup
             left.append(run_id)
             continue
         closed.append(run_id)
-    return closed, unclosed(left, list(reasons))
+    return closed, left_running(left, list(reasons))
 
 
 def resume_config(cfg: DictConfig, stored: DictConfig, explicit: list[str]) -> DictConfig:

@@ -79,15 +79,3 @@ def listed_runs(path: Path) -> list[list[str]]:
     importing MLflow."""
     lines = path.read_text(encoding="utf-8").splitlines() if path.is_file() else []
     return [line.split("\t") for line in lines if line.count("\t") == 2]
-
-
-def unclosed(run_ids: list[str], reasons: list[str]) -> str:
-    """The clause naming the runs a stopped sweep could not close, and how to close them ("" when none)."""
-    if not run_ids:
-        return ""
-    if len(run_ids) == 1:
-        which, how = f"the run {run_ids[0]}", f"resume={run_ids[0]} continues or closes it"
-    else:
-        which, how = f"the runs {', '.join(run_ids)}", "resume=<its id> continues or closes each"
-    return (f"{which} could not be marked FAILED ({'; '.join(reasons)}) and may show RUNNING: once the store is "
-            f"writable, {how}")

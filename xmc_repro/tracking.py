@@ -34,7 +34,7 @@ from mlflow.exceptions import MlflowException
 from mlflow.tracking import MlflowClient
 from omegaconf import DictConfig, OmegaConf
 
-from xmc_repro.errors import ConfigError
+from xmc_repro.errors import ConfigError, left_running
 from xmc_repro.report.records import RESUMED_PREFIX, STARTED_BY
 
 try:
@@ -314,8 +314,8 @@ class RunTracker:
         try:
             mark_failed(self.client, run_id, f"the run could not be set up ({why})", deadline)
         except Exception as close_error:
-            return (f"the new MLflow run {run_id} could not be marked FAILED ({short_error(close_error)[:200]}) and "
-                    f"shows RUNNING: once the store is writable, resume={run_id} closes it")
+            return left_running([run_id], [short_error(close_error)[:200]],
+                                f"resume={run_id} closes it, from this folder on this machine")
         return f"the new MLflow run {run_id} is marked FAILED"
 
     def _experiment(self, name: str) -> str:

@@ -30,7 +30,7 @@ from xmc_repro.console import EpochLine, EvaluationProgress, ProgressBar
 from xmc_repro.data import build_datamodule
 from xmc_repro.describe import run_name
 from xmc_repro.distributed import another_rank_stopped, launch_problem, launch_rank
-from xmc_repro.errors import ConfigError, StorageError, UserError
+from xmc_repro.errors import ConfigError, StorageError, UserError, left_running
 from xmc_repro.metrics import inverse_propensity
 from xmc_repro.model import NonFiniteLossError, XMCClassifier, instantiate_with
 from xmc_repro.resume import CHECKPOINT_ROOT, note_started, prepare
@@ -378,8 +378,7 @@ def _run_and_record(cfg: DictConfig, resume_from: Path | None, run_id: str | Non
         try:
             tracker.finish("FAILED", message, tags, retry_seconds=retry)
         except Exception as store_error:  # e.g. the store's disk is full too: say so in the same line
-            message += (f"; the MLflow run could not be marked FAILED ({short_error(store_error)[:200]}) and shows "
-                        f"RUNNING: once the store is writable, resume={tracker.run_id} continues or closes it")
+            message += f"; {left_running([tracker.run_id], [short_error(store_error)[:200]])}"
         except (KeyboardInterrupt, SIGTERMException) as again:  # a second Ctrl+C while a slow store is written
             message += (f"; {interruption(again)} again while the MLflow run was being marked FAILED: it shows "
                         f"RUNNING; resume={tracker.run_id} continues or closes it")
