@@ -777,6 +777,7 @@ def test_smoke_skips_datasets_without_data_once_and_fails_when_a_job_failed(tmp_
     commands = []
 
     def sweep(command, **kwargs):
+        assert "cwd" not in kwargs  # in the current folder, as any sweep (the package's may be site-packages)
         commands.append(command[command.index("-m", 2) + 1 :])
         return subprocess.CompletedProcess(command, 1 if "experiment=table4" in command else 0)
 

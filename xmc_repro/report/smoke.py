@@ -1,11 +1,12 @@
 """`python -m xmc_repro.report smoke`: train the smoke sweeps of the tables (by hand; `dvc repro` never trains).
 
-Runs `python -m xmc_repro -m experiment=<table> scale=smoke` for each table, into the MLflow store, narrowed to
-the datasets whose files are here: a dataset read from files that are absent (Bibtex, Delicious outside a
-setup that has them) is reported once, as "missing: data not found at <path>", and written to
-results/data_missing.json, from which the tables show it the same way instead of as failed runs. The command
-exits non-zero when any job of a sweep failed. Afterwards `python -m xmc_repro.report records add` copies the
-finished runs into results/records.
+Runs `python -m xmc_repro -m experiment=<table> scale=smoke` for each table in the current folder (its
+`multirun/` and `checkpoints/` go there, as for any sweep, not into the package's folder: site-packages for an
+installed wheel), into the MLflow store, narrowed to the datasets whose files are here: a dataset read from files
+that are absent (Bibtex, Delicious outside a setup that has them) is reported once, as "missing: data not found at
+<path>", and written to results/data_missing.json, from which the tables show it the same way instead of as
+failed runs. The command exits non-zero when any job of a sweep failed. Afterwards
+`python -m xmc_repro.report records add` copies the finished runs into results/records.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from pathlib import Path
 from xmc_repro.errors import ConfigError, DataError
 from xmc_repro.report.atomic import write_text
 from xmc_repro.report.grid import TABLES, conf_dir, job_overrides
-from xmc_repro.report.records import PROJECT_ROOT, tracking_uri
+from xmc_repro.report.records import tracking_uri
 
 DATA_MISSING = Path("results") / "data_missing.json"
 
@@ -110,7 +111,7 @@ def run_smoke(tables=TABLES, uri: str | None = None, data_missing: Path = DATA_M
             continue
         command = sweep_command(table, list(present))
         print(f"smoke: {' '.join(command[1:])} -> {uri}", flush=True)
-        if run(command, cwd=PROJECT_ROOT, env={**os.environ, "MLFLOW_TRACKING_URI": uri}).returncode != 0:
+        if run(command, env={**os.environ, "MLFLOW_TRACKING_URI": uri}).returncode != 0:
             failed.append(table)
     # Datasets these tables did not look for keep what an earlier call found (`--tables table5` checks no real set)
     checked = found | set(missing_now)
@@ -143,7 +144,7 @@ def read_data_missing(path: Path) -> dict[str, str]:
 
 
 def absolute(uri: str) -> str:
-    """A relative sqlite store made absolute, so that the sweeps (run from the project root) use the same file."""
+    """A relative sqlite store made absolute: the line that starts each sweep names the file its jobs write."""
     prefix = "sqlite:///"
     if uri.startswith(prefix) and not uri.startswith(prefix + "/"):
         return prefix + str(Path(uri[len(prefix) :]).resolve())
