@@ -11,6 +11,7 @@ import json
 import re
 import math
 import shutil
+import stat
 import uuid
 from pathlib import Path
 
@@ -1008,6 +1009,17 @@ def test_a_failed_write_keeps_the_old_file_and_names_the_cause_and_the_fix(tmp_p
     assert path.read_text() == "old\n" and [p.name for p in tmp_path.iterdir()] == ["runs.csv"]
     atomic.write_text(tmp_path / "new" / "claims.md", "✓\n", "x")
     assert (tmp_path / "new" / "claims.md").read_bytes() == "✓\n".encode()
+
+
+def test_a_replaced_file_keeps_its_permissions(tmp_path):
+    from xmc_repro.report import atomic
+
+    path = tmp_path / "runs.csv"
+    path.write_text("old\n")
+    for mode in (0o640, 0o664):  # e.g. a group's shared results; the temporary file is made with the umask's
+        path.chmod(mode)
+        atomic.write_text(path, "new\n", "x")
+        assert path.read_text() == "new\n" and stat.S_IMODE(path.stat().st_mode) == mode
 
 
 def test_the_claims_stage_on_a_full_disk_is_one_line_and_keeps_the_old_file(tmp_path):

@@ -2,7 +2,8 @@
 
 Every file the report writes (records, runs.csv, tables, figures, claims.md, data_missing.json) goes to a hidden
 temporary file in the same folder first, flushed to disk, and is renamed over its path only once complete: a full
-disk, a read-only folder or a kill leaves the old file (or none), never a truncated one. A failed write removes the
+disk, a read-only folder or a kill leaves the old file (or none), never a truncated one. A replaced file keeps its
+permissions, as one written in place would. A failed write removes the
 temporary file and ends in one line (`StorageError`) naming the file, why, and the command to rerun.
 """
 
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import errno
 import os
+import stat
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -27,11 +29,14 @@ def replacing(path: Path, rerun: str, *, binary: bool = False, newline: str | No
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     existed = path.exists()
     try:
+        mode = stat.S_IMODE(path.stat().st_mode) if existed else None
         path.parent.mkdir(parents=True, exist_ok=True)
         with open(tmp, "wb" if binary else "w", **({} if binary else {"encoding": "utf-8", "newline": newline})) as f:
             yield f
             f.flush()
             os.fsync(f.fileno())
+        if mode is not None:
+            os.chmod(tmp, mode)
         os.replace(tmp, path)
     except OSError as error:
         kept = "the old file is kept" if existed else "no file was left there"
