@@ -455,6 +455,17 @@ def test_markdown_and_latex_show_gaps_values_and_provenance(store, tmp_path, pub
     assert r"30.5 $\pm$ 0.7" in tex and "Amazon-670K slice" in tex and tex.count(r"\\") > 44
 
 
+def test_markdown_counts_a_configuration_run_on_two_cards_once(store, tmp_path, published):
+    log_run(store, params_of(SMOKE_AMAZON_SLICE, "uniform", 32, 256), metrics_of(30.0))
+    log_run(store, params_of(SMOKE_AMAZON_SLICE, "uniform", 32, 256), metrics_of(31.0), device=H200)
+    log_run(store, params_of(SMOKE_AMAZON_SLICE, "dense"), metrics_of(40.0))
+    runs = export(tmp_path / "runs.csv", store)
+    rows = table_rows("table1", "smoke", runs, [], published)
+    assert sum(r["status"] == "measured" for r in rows) == 3  # one row per configuration and card
+    text = markdown("table1", [("smoke", rows)])
+    assert "2 configurations measured (3 rows, one per configuration and card)" in text
+
+
 def test_render_writes_every_table_and_figure_with_our_points(store, tmp_path, published):
     log_run(store, params_of(SMOKE_AMAZON_SLICE, "uniform", 32, 256), metrics_of(30.0))
     log_run(store, params_of(SMOKE_AMAZON_SLICE, "dense"), metrics_of(40.0))

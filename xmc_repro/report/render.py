@@ -314,9 +314,14 @@ def markdown(table: str, blocks: list[tuple[str, list[dict]]]) -> str:
     columns = display_columns(all_rows)
     for scale, rows in blocks:
         measured = sum(r["status"] == "measured" for r in rows)
+        # a configuration run on several cards has a row per card (export.machine): count it once
+        configs = len({(r["our_dataset"], r["our_setup"], r["loss"]) for r in rows if r["status"] == "measured"})
         missing = sum(r["status"] == MISSING for r in rows)
         note = SCALE_NOTES.get(scale, "runs tagged with this scale")
-        lines += [f"## Scale `{scale}`: {note}", "", f"{measured} configurations measured, {missing} missing.", ""]
+        count = f"{configs} configurations measured"
+        if measured != configs:
+            count += f" ({measured} rows, one per configuration and card)"
+        lines += [f"## Scale `{scale}`: {note}", "", f"{count}, {missing} missing.", ""]
         lines.append("| " + " | ".join(h for h, _ in columns) + " |")
         lines.append("|" + "|".join("---" for _ in columns) + "|")
         for row in rows:
