@@ -259,10 +259,15 @@ def test_l2_and_tfidf_normalisation_do_not_overflow_near_float32_max():
     np.testing.assert_allclose(weighted, [[3 / 13**0.5, 2 / 13**0.5, 0], np.array([1, 2, 3]) / 14**0.5], rtol=1e-6)
 
 
+@pytest.mark.parametrize("block_nnz", [1 << 20, 3])  # one block; blocks of a row or a few, some rows longer
 @pytest.mark.parametrize("dtype", [np.float32, np.float64, np.int64])
-def test_l2_normalisation_matches_a_dense_float64_reference(dtype):
-    """Odd shapes, empty rows, explicit zeros, negative values and a column listed twice in a row (summed)."""
+def test_l2_normalisation_matches_a_dense_float64_reference(dtype, block_nnz, monkeypatch):
+    """Odd shapes, empty rows, explicit zeros, negative values and a column listed twice in a row (summed); to the
+    bit the values of scipy's float64 products (which the features of earlier runs came from)."""
+    from xmc_repro.data import features
     from xmc_repro.data.features import normalize_rows
+
+    monkeypatch.setattr(features, "NORMALIZE_BLOCK_NNZ", block_nnz)
 
     rng = np.random.default_rng(int(np.dtype(dtype).itemsize))
     dense = rng.integers(-3, 9, (37, 23)).astype(dtype) * (rng.random((37, 23)) < 0.3)
@@ -282,6 +287,13 @@ def test_l2_normalisation_matches_a_dense_float64_reference(dtype):
         got = normalize_rows(given, "l2")
         assert got.dtype == np.float32 and got.shape == x.shape
         np.testing.assert_allclose(got.toarray(), expected, rtol=1e-6, atol=1e-7)
+        summed = sp.csr_matrix(given, dtype=np.float64)
+        summed.sum_duplicates()
+        peak = abs(summed).max(axis=1).toarray().ravel()
+        scaled = sp.diags(1 / np.where(peak > 0, peak, 1)) @ summed
+        norms = np.sqrt(np.asarray(scaled.multiply(scaled).sum(axis=1)).ravel())
+        products = sp.csr_matrix(sp.diags(1 / np.where(norms > 0, norms, 1)) @ scaled, dtype=np.float32)
+        assert np.array_equal(got.toarray(), products.toarray())
 
 
 def test_labels_out_of_order_are_sorted_and_named_in_one_warning(tmp_path):

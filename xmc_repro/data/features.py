@@ -65,32 +65,54 @@ def check_finite(x: np.ndarray, path) -> None:
             )
 
 
+# Nonzeros normalised at a time: the float64 temporaries stay a few MB whatever the matrix's size.
+NORMALIZE_BLOCK_NNZ = 1 << 20
+
+
 def normalize_rows(x: sp.csr_matrix, how: str) -> sp.csr_matrix:
-    """Bag-of-words rows scaled to unit L2 norm, as float32 (``l2``), or the matrix as given (``none``)."""
+    """Bag-of-words rows scaled to unit L2 norm, as float32 (``l2``), or the matrix as given (``none``).
+
+    Computed in float64 a block of rows at a time and rounded once to float32: the values of scipy's float64
+    matrix products to the bit, without their copies of the whole matrix.
+    """
     if how == "none":
         return x
     x = sp.csr_matrix(x)
     if not x.has_canonical_format:  # a column listed twice in a row counts as one entry, their sum
         x = x.copy()
         x.sum_duplicates()
-    nnz = x.indptr[-1]
-    counts = np.diff(x.indptr)
-    # Each row is divided by its largest |value| first, in the input's precision: squaring float32 values near 3e38
-    # would overflow to inf and zero the row (a float64 input, tf-idf products, may exceed float32's range). Done on
-    # the values array, in float32 after that division: scipy's products made several float64 copies of the matrix.
-    values = x.data[:nnz] if x.data.dtype == np.float64 else x.data[:nnz].astype(np.float32, copy=False)
-    peak = np.zeros(x.shape[0], values.dtype)
-    rows = np.flatnonzero(counts)
-    if nnz:
-        peak[rows] = np.maximum.reduceat(np.abs(values), x.indptr[rows])
-    peak[peak == 0] = 1
-    unit = (values / np.repeat(peak, counts)).astype(np.float32, copy=False)
-    norm = np.ones(x.shape[0], np.float32)
-    if nnz:
-        norm[rows] = np.sqrt(np.add.reduceat(unit * unit, x.indptr[rows], dtype=np.float64))
-    norm[norm == 0] = 1
-    unit /= np.repeat(norm, counts)
-    return sp.csr_matrix((unit, x.indices[:nnz].copy(), x.indptr.copy()), shape=x.shape)
+    indptr = x.indptr
+    unit = np.empty(indptr[-1], np.float32)
+    for first, last in _row_blocks(indptr, NORMALIZE_BLOCK_NNZ):
+        block = slice(indptr[first], indptr[last])
+        unit[block] = _unit_rows(x.data[block].astype(np.float64), np.diff(indptr[first : last + 1]))
+    return sp.csr_matrix((unit, x.indices[: indptr[-1]].copy(), indptr.copy()), shape=x.shape)
+
+
+def _row_blocks(indptr: np.ndarray, nnz: int):
+    """(first, last) row ranges of at most `nnz` nonzeros each, or of one longer row."""
+    first, rows = 0, len(indptr) - 1
+    while first < rows:
+        last = int(np.searchsorted(indptr, indptr[first] + nnz, side="right")) - 1
+        last = min(max(last, first + 1), rows)
+        yield first, last
+        first = last
+
+
+def _unit_rows(values: np.ndarray, counts: np.ndarray) -> np.ndarray:
+    """Consecutive rows' float64 values (`counts` per row), each row divided by its largest |value| (squaring
+    values near float32's 3e38 would overflow to inf and zero the row), then by its norm; in place."""
+    nonempty = counts > 0
+    starts = (np.cumsum(counts) - counts)[nonempty]
+    if not len(starts):
+        return values
+    for row_size in (lambda: np.maximum.reduceat(np.abs(values), starts),
+                     lambda: np.sqrt(np.add.reduceat(values * values, starts))):
+        size = np.ones(len(counts))
+        size[nonempty] = row_size()
+        size[size == 0] = 1  # a row of stored zeros
+        values *= np.repeat(1 / size, counts)
+    return values
 
 
 def inverse_document_frequency(train: sp.csr_matrix) -> np.ndarray:
