@@ -6,8 +6,8 @@ Keras adds its epsilon to sqrt(v) before the bias correction ("epsilon hat" in K
 
 torch adds it after. Both are the same update once torch's epsilon is eps / sqrt(1 - b2^t): 32 times Keras's at
 the first step, 2.7 times after 153 steps (one Bibtex epoch), within 1 % of it from step 3,925 on. `KerasAdam`
-sets that epsilon before each of torch's own steps (fused on CUDA and CPU), from a step count kept on the host, so nothing
-is read back from the device.
+sets that epsilon before each of torch's own steps (fused on CUDA and CPU), from a step count kept on the host, so
+nothing is read back from the device.
 """
 
 from __future__ import annotations

@@ -3,8 +3,8 @@
 Every file the report writes (records, runs.csv, tables, figures, claims.md, data_missing.json) goes to a hidden
 temporary file in the same folder first, flushed to disk, and is renamed over its path only once complete: a full
 disk, a read-only folder or a kill leaves the old file (or none), never a truncated one. A replaced file keeps its
-permissions, as one written in place would. A failed write removes the
-temporary file and ends in one line (`StorageError`) naming the file, why, and the command to rerun.
+permissions, as one written in place would. A failed write removes the temporary file and ends in one line
+(`StorageError`) naming the file, why, and the command to rerun.
 """
 
 from __future__ import annotations
