@@ -109,6 +109,26 @@ def test_kernels_match_reference(device, shape, density):
     torch.testing.assert_close(OPS.backward_weight(grad, x, idx), ref.backward_weight(grad, x, idx))
 
 
+@pytest.mark.parametrize("threads", [1, 3])
+def test_cpu_backward_input_over_batch_chunks_tiles_of_both_kinds_and_threads(threads):
+    """The CPU kernel takes a wide input's batch a chunk of rows at a time (60,000 features: chunks of 17 rows), a
+    tile of dense gradient another way than a mostly-zero one (both in one call: dense first labels, 1 % beyond,
+    an all-zero tile), and sums the accumulators of several threads."""
+    batch, in_features, labels, conn = 40, 60_000, 300, 5
+    x, idx, w, b = _problem(batch, in_features, labels, conn, "cpu")
+    grad = _sparse_grad(batch, labels, 0.01, "cpu")
+    grad[:, :100] = torch.randn(batch, 100, generator=generator(2))
+    grad[:, 192:256] = 0
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        got = OPS.backward_input(grad, idx, w, in_features)
+    finally:
+        torch.set_num_threads(before)
+    torch.testing.assert_close(got, ref.backward_input(grad, idx, w, in_features))
+    torch.testing.assert_close(got, grad @ ref.dense_weight(idx, w, in_features))
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_autograd_matches_dense_masked_weight(device):
     batch, in_features, labels, conn = 9, 60, 130, 6

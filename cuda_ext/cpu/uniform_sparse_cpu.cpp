@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <memory>
 #include <tuple>
 #include <vector>
 
@@ -83,37 +84,95 @@ bool forward_cpu_kernel(const T* xc, const int32_t* idx, const T* w, const T* bi
   return !out_of_range;
 }
 
-// Backward to the inputs: each task owns a range of batch rows of grad_x (no races). Labels whose
-// output gradient is exactly zero are skipped before touching their indices or weights.
+// Backward to the inputs. A chunk of bc batch rows at a time, each task takes tiles of labels and adds into its own
+// accumulators, which are then summed into grad_x's rows of the chunk. A tile whose gradient is mostly zero
+// (squared hinge) goes row by row over its nonzeros, into a row-major accumulator (bc, in): the row and the tile's
+// indices and weights stay in L1. A denser tile (BCE, early training) is vectorised over the rows as the forward
+// is: its gradient gathered transposed, (tile, bc), w * column added to the transposed accumulator's row
+// acc[src, 0..bc) for each connection. Labels with a zero gradient are skipped before their indices or weights
+// are read.
 template <typename T>
 bool backward_input_cpu_kernel(const T* g, const int32_t* idx, const T* w, T* gx, int64_t batch,
                                int64_t conn, int64_t labels, int64_t in_features) {
+  constexpr int64_t kAccValues = 1 << 20;  // one accumulator: 4 MiB in float32, whenever in_features allows
+  const int64_t bc = std::clamp<int64_t>(kAccValues / std::max<int64_t>(in_features, 1), 1, batch);
+  const int64_t tiles = (labels + kTile - 1) / kTile, threads = at::get_num_threads(), size = in_features * bc;
+  std::unique_ptr<T[]> accs(new T[threads * 2 * size]);  // per thread: transposed, then row-major; zeroed on use
+  std::vector<char> used(threads * 2);
   std::atomic<bool> out_of_range{false};
-  at::parallel_for(0, batch, 1, [&](int64_t b0, int64_t b1) {
-    bool bad = false;
-    std::vector<int64_t> nz_j(kTile);
-    std::vector<T> nz_g(kTile);
-    for (int64_t j0 = 0; j0 < labels; j0 += kTile) {
-      const int64_t n = std::min(kTile, labels - j0);
-      for (int64_t b = b0; b < b1; ++b) {
-        const T* gb = g + b * labels + j0;
-        int64_t m = 0;
-        for (int64_t jj = 0; jj < n; ++jj)
-          if (gb[jj] != T(0)) { nz_j[m] = j0 + jj; nz_g[m] = gb[jj]; ++m; }
-        if (m == 0) continue;
-        T* gxb = gx + b * in_features;
-        for (int64_t k = 0; k < conn; ++k) {
-          const int32_t* ik = idx + k * labels;
-          const T* wk = w + k * labels;
-          for (int64_t q = 0; q < m; ++q) {
-            if (outside(ik[nz_j[q]], in_features)) { bad = true; continue; }
-            gxb[ik[nz_j[q]]] += wk[nz_j[q]] * nz_g[q];
+  for (int64_t c0 = 0; c0 < batch; c0 += bc) {
+    const int64_t nb = std::min(bc, batch - c0);
+    std::fill(used.begin(), used.end(), 0);
+    at::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) {
+      const int64_t thread = at::get_thread_num();
+      auto accumulator = [&](int64_t which) {  // 0: transposed (in, bc); 1: row-major (bc, in)
+        T* acc = &accs[(2 * thread + which) * size];
+        if (!used[2 * thread + which]) std::fill_n(acc, size, T(0));
+        used[2 * thread + which] = 1;
+        return acc;
+      };
+      bool bad = false;
+      std::vector<T> gt(kTile * bc), nz_g(kTile);
+      std::vector<int64_t> nz_j(kTile);
+      for (int64_t t = t0; t < t1; ++t) {
+        const int64_t j0 = t * kTile, n = std::min(kTile, labels - j0);
+        int64_t nonzeros = 0;
+        for (int64_t b = 0; b < nb; ++b)
+          for (int64_t jj = 0; jj < n; ++jj) nonzeros += g[(c0 + b) * labels + j0 + jj] != T(0);
+        if (nonzeros == 0) continue;
+        if (4 * nonzeros <= n * nb) {
+          T* acc = accumulator(1);
+          for (int64_t b = 0; b < nb; ++b) {
+            const T* gb = g + (c0 + b) * labels + j0;
+            int64_t m = 0;
+            for (int64_t jj = 0; jj < n; ++jj)
+              if (gb[jj] != T(0)) { nz_j[m] = j0 + jj; nz_g[m] = gb[jj]; ++m; }
+            T* row = acc + b * in_features;
+            for (int64_t k = 0; k < conn; ++k) {
+              const int32_t* ik = idx + k * labels;
+              const T* wk = w + k * labels;
+              for (int64_t q = 0; q < m; ++q) {
+                if (outside(ik[nz_j[q]], in_features)) { bad = true; continue; }
+                row[ik[nz_j[q]]] += wk[nz_j[q]] * nz_g[q];
+              }
+            }
+          }
+          continue;
+        }
+        T* acc = accumulator(0);
+        for (int64_t b = 0; b < nb; ++b)
+          for (int64_t jj = 0; jj < n; ++jj) gt[jj * bc + b] = g[(c0 + b) * labels + j0 + jj];
+        for (int64_t jj = 0; jj < n; ++jj) {
+          const T* gj = &gt[jj * bc];
+          bool any = false;
+          for (int64_t b = 0; b < nb; ++b) any |= gj[b] != T(0);
+          if (!any) continue;
+          for (int64_t k = 0; k < conn; ++k) {
+            const int32_t src = idx[k * labels + j0 + jj];
+            if (outside(src, in_features)) { bad = true; continue; }
+            const T wv = w[k * labels + j0 + jj];
+            T* a = acc + static_cast<int64_t>(src) * bc;
+            for (int64_t b = 0; b < nb; ++b) a[b] += wv * gj[b];
           }
         }
       }
-    }
-    if (bad) out_of_range = true;
-  });
+      if (bad) out_of_range = true;
+    });
+    // grad_x's rows of the chunk: the sum of the tasks' accumulators, split over input features
+    at::parallel_for(0, in_features, 256, [&](int64_t i0, int64_t i1) {
+      for (int64_t thread = 0; thread < threads; ++thread) {
+        const T* transposed = &accs[2 * thread * size];
+        const T* row_major = transposed + size;
+        for (int64_t b = 0; b < nb; ++b) {
+          T* row = gx + (c0 + b) * in_features;
+          if (used[2 * thread])
+            for (int64_t i = i0; i < i1; ++i) row[i] += transposed[i * bc + b];
+          if (used[2 * thread + 1])
+            for (int64_t i = i0; i < i1; ++i) row[i] += row_major[b * in_features + i];
+        }
+      }
+    });
+  }
   return !out_of_range;
 }
 
