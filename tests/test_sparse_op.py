@@ -110,10 +110,10 @@ def test_kernels_match_reference(device, shape, density):
 
 
 @pytest.mark.parametrize("threads", [1, 3])
-def test_cpu_backward_input_over_batch_chunks_tiles_of_both_kinds_and_threads(threads):
-    """The CPU kernel takes a wide input's batch a chunk of rows at a time (60,000 features: chunks of 17 rows), a
-    tile of dense gradient another way than a mostly-zero one (both in one call: dense first labels, 1 % beyond,
-    an all-zero tile), and sums the accumulators of several threads."""
+def test_cpu_kernels_over_batch_chunks_tiles_of_both_kinds_and_threads(threads):
+    """The CPU kernels take a wide input's batch a chunk of rows at a time (60,000 features: chunks of 17 rows);
+    the input backward takes a tile of dense gradient another way than a mostly-zero one (both in one call: dense
+    first labels, 1 % beyond, an all-zero tile) and sums the accumulators of several threads."""
     batch, in_features, labels, conn = 40, 60_000, 300, 5
     x, idx, w, b = _problem(batch, in_features, labels, conn, "cpu")
     grad = _sparse_grad(batch, labels, 0.01, "cpu")
@@ -123,10 +123,14 @@ def test_cpu_backward_input_over_batch_chunks_tiles_of_both_kinds_and_threads(th
     torch.set_num_threads(threads)
     try:
         got = OPS.backward_input(grad, idx, w, in_features)
+        out, (grad_w, grad_b) = OPS.forward(x, idx, w, b), OPS.backward_weight(grad, x, idx)
     finally:
         torch.set_num_threads(before)
     torch.testing.assert_close(got, ref.backward_input(grad, idx, w, in_features))
     torch.testing.assert_close(got, grad @ ref.dense_weight(idx, w, in_features))
+    torch.testing.assert_close(out, ref.forward(x, idx, w, b))
+    torch.testing.assert_close(grad_w, ref.backward_weight(grad, x, idx)[0])
+    torch.testing.assert_close(grad_b, grad.sum(0))
 
 
 @pytest.mark.parametrize("device", DEVICES)
