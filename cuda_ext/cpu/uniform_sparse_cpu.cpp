@@ -31,13 +31,15 @@ void check_index_range(bool in_range, const at::Tensor& indices, int64_t in_feat
 }
 
 // The batch is split into chunks of bc rows and each chunk stored transposed, xc (chunks, in, bc):
-// one connection's gather reads bc contiguous values, and a chunk (in * bc values, up to 4 MiB) stays
-// in the caches while all labels gather from it. Every chunk reads all indices and weights once more:
-// with 64K-value chunks (16 of them at 32,768 inputs, batch 32) the forward took 3.4x as long.
-// A chunk beyond the batch is zero-padded.
-int64_t batch_chunk(int64_t batch, int64_t in_features) {
-  constexpr int64_t kChunkValues = 1024 * 1024;
-  return std::clamp<int64_t>(kChunkValues / std::max<int64_t>(in_features, 1), 1, std::max<int64_t>(batch, 1));
+// one connection's gather reads bc contiguous values, and a chunk (in * bc values) stays in the
+// caches while all labels gather from it. A chunk beyond the batch is zero-padded.
+// The forward reads all indices and weights once per chunk: its chunks hold up to 1M values (4 MiB);
+// with 64K (16 chunks at 32,768 inputs, batch 32) it took 3.4x as long. The weight backward skips
+// a label's chunk where its gradient is zero, which small chunks do more often (squared hinge): 64K.
+constexpr int64_t kForwardChunkValues = 1024 * 1024, kWeightChunkValues = 64 * 1024;
+
+int64_t batch_chunk(int64_t batch, int64_t in_features, int64_t chunk_values) {
+  return std::clamp<int64_t>(chunk_values / std::max<int64_t>(in_features, 1), 1, std::max<int64_t>(batch, 1));
 }
 
 at::Tensor chunked_transpose(const at::Tensor& x, int64_t bc) {
@@ -235,7 +237,7 @@ at::Tensor forward_cpu(const at::Tensor& x, const at::Tensor& indices, const at:
   const int64_t batch = x.size(0), conn = indices.size(0), labels = indices.size(1);
   auto out = x.new_empty({batch, labels});
   if (batch == 0) return out;
-  const int64_t bc = batch_chunk(batch, x.size(1));
+  const int64_t bc = batch_chunk(batch, x.size(1), kForwardChunkValues);
   const auto xc = chunked_transpose(x, bc);
   bool in_range = true;
   AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "uniform_sparse_forward_cpu", [&] {
@@ -272,7 +274,7 @@ std::tuple<at::Tensor, at::Tensor> backward_weight_cpu(const at::Tensor& grad_ou
   auto grad_w = grad_out.new_empty({conn, labels});
   auto grad_b = grad_out.new_empty({labels});
   if (batch == 0) return {grad_w.zero_(), grad_b.zero_()};
-  const int64_t bc = batch_chunk(batch, x.size(1));
+  const int64_t bc = batch_chunk(batch, x.size(1), kWeightChunkValues);
   const auto xc = chunked_transpose(x, bc);
   bool in_range = true;
   AT_DISPATCH_FLOATING_TYPES(grad_out.scalar_type(), "uniform_sparse_backward_weight_cpu", [&] {
