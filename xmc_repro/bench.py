@@ -36,7 +36,7 @@ import warnings
 import torch
 
 from xmc_repro.errors import ConfigError, StorageError
-from xmc_repro.optim import FUSED_ADAM_DEVICES
+from xmc_repro.optim import adam
 from xmc_repro.sparse import op as sparse_op
 from xmc_repro.sparse import reference
 from xmc_repro.sparse.checks import SparseInputError
@@ -189,7 +189,7 @@ def floor_bytes(case: Case, active: float) -> dict[str, float]:
 
 
 def _adam(params, device):
-    return torch.optim.Adam(params, lr=1e-3, fused=device.type in FUSED_ADAM_DEVICES or None)  # as the model's
+    return adam(params, lr=1e-3, eps=1e-8, placement="torch", device=device)  # torch's Adam, fused as the model's
 
 
 def _step(loss_fn, opt, grad, x):

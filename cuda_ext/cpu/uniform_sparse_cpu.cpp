@@ -36,7 +36,8 @@ void check_index_range(bool in_range, const at::Tensor& indices, int64_t in_feat
 // The forward reads all indices and weights once per chunk: its chunks hold up to 1M values (4 MiB);
 // with 64K (8 chunks at 16,384 inputs, batch 32) it took 2.3x as long. The weight backward skips
 // a label's chunk where its gradient is zero, which small chunks do more often (squared hinge): 64K.
-constexpr int64_t kForwardChunkValues = 1024 * 1024, kWeightChunkValues = 64 * 1024;
+// The input backward's chunks size each task's accumulator: up to 1M values (4 MiB in float32).
+constexpr int64_t kForwardChunkValues = 1024 * 1024, kWeightChunkValues = 64 * 1024, kInputChunkValues = 1024 * 1024;
 
 int64_t batch_chunk(int64_t batch, int64_t in_features, int64_t chunk_values) {
   return std::clamp<int64_t>(chunk_values / std::max<int64_t>(in_features, 1), 1, std::max<int64_t>(batch, 1));
@@ -98,8 +99,7 @@ bool forward_cpu_kernel(const T* xc, const int32_t* idx, const T* w, const T* bi
 template <typename T>
 bool backward_input_cpu_kernel(const T* g, const int32_t* idx, const T* w, T* gx, int64_t batch,
                                int64_t conn, int64_t labels, int64_t in_features) {
-  constexpr int64_t kAccValues = 1 << 20;  // one accumulator: 4 MiB in float32, whenever in_features allows
-  const int64_t bc = std::clamp<int64_t>(kAccValues / std::max<int64_t>(in_features, 1), 1, batch);
+  const int64_t bc = batch_chunk(batch, in_features, kInputChunkValues);
   const int64_t tiles = (labels + kTile - 1) / kTile, threads = at::get_num_threads(), size = in_features * bc;
   std::unique_ptr<T[]> accs(new T[threads * 2 * size]);  // per thread: transposed, then row-major; zeroed on use
   std::vector<char> used(threads * 2);
