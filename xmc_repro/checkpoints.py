@@ -155,16 +155,17 @@ def load(path: str | Path, setting: str = "resume") -> dict:
     memory-mapped, so checking a large checkpoint does not need its size in memory.
     """
     path = Path(path)
+
+    def unreadable(what: str) -> ConfigError:
+        return ConfigError(f"{setting}={path}: {what}; {_unreadable_fix(path, setting)}")
+
     try:
         unknown = sorted(pickled_globals(path) - ALLOWED_GLOBALS)
         damaged = _damaged_entry(path)
     except Exception as error:  # unreadable, truncated, not a torch zip file
-        reason = f"{type(error).__name__}: {error}"
-        fix = _unreadable_fix(path, setting)
-        raise ConfigError(f"{setting}={path}: not a readable checkpoint ({reason}); {fix}") from None
+        raise unreadable(f"not a readable checkpoint ({type(error).__name__}: {error})") from None
     if damaged is not None:
-        raise ConfigError(f"{setting}={path}: corrupted checkpoint ({damaged} fails its checksum); "
-                          f"{_unreadable_fix(path, setting)}")
+        raise unreadable(f"corrupted checkpoint ({damaged} fails its checksum)")
     if unknown:
         raise ConfigError(
             f"{setting}={path}: refused, the checkpoint would import {', '.join(unknown[:3])} (a checkpoint holds only "
@@ -174,8 +175,7 @@ def load(path: str | Path, setting: str = "resume") -> dict:
         checkpoint = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
     except Exception as error:
         reason = f"{type(error).__name__}: {' '.join(str(error).split())[:200]}"
-        fix = _unreadable_fix(path, setting)
-        raise ConfigError(f"{setting}={path}: not a readable checkpoint ({reason}); {fix}") from None
+        raise unreadable(f"not a readable checkpoint ({reason})") from None
     if not isinstance(checkpoint, dict) or not isinstance(checkpoint.get("state_dict"), dict):
         raise ConfigError(f"{setting}={path}: not a Lightning checkpoint (no state_dict in it)")
     return checkpoint

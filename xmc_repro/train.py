@@ -86,8 +86,7 @@ def failure_message(error: BaseException, run_id: str | None = None, last_checkp
         text = (f"{in_store} cannot be written ({short_error(error)}): it was deleted, moved or made read-only "
                 "while the run wrote it; " + then_go_on("restore it or make it and its folder writable"))
     elif is_contention(error):
-        text = (f"{in_store} stayed locked by another process for {tracking.RETRY_SECONDS:.0f} s "
-                f"({short_error(error)}); " + then_go_on("let that process finish or stop it"))
+        text = f"{locked(in_store, error)}; " + then_go_on(LET_IT_FINISH)
     elif refused_by_the_os(error):
         where = f" {error.filename}" if error.filename else ""
         verb, fix = ("write", "make it writable") if error.errno == errno.EROFS else ("access", "fix its permissions")
@@ -112,6 +111,14 @@ def failure_message(error: BaseException, run_id: str | None = None, last_checkp
     else:
         text = f"{type(error).__name__}: {error}"
     return " ".join(text.split())
+
+
+LET_IT_FINISH = "let that process finish or stop it"
+
+
+def locked(store: str, error: BaseException) -> str:
+    """What a store that stayed busy through all retries is told as, in failure_message and open_run alike."""
+    return f"{store} stayed locked by another process for {tracking.RETRY_SECONDS:.0f} s ({short_error(error)})"
 
 
 def disk_full(error: BaseException) -> bool:
@@ -240,11 +247,8 @@ def open_run(cfg: DictConfig, run_id: str | None, interrupted: list[int] | None 
         again = f"run it again with resume={run_id}" if run_id else "run it again"
         created = f"; {error.unopened_run}" if hasattr(error, "unopened_run") else ""  # a run created, then failing
         if is_contention(error):
-            raise StorageError(
-                f"logger.tracking_uri={uri}: the MLflow store stayed locked by another process for "
-                f"{tracking.RETRY_SECONDS:.0f} s ({short_error(error)}); let that process finish or stop it, "
-                f"then {again}{created}"
-            ) from error
+            raise StorageError(f"logger.tracking_uri={uri}: {locked('the MLflow store', error)}; "
+                               f"{LET_IT_FINISH}, then {again}{created}") from error
         if disk_full(error):
             raise StorageError(f"logger.tracking_uri={uri}: no space left on the disk holding the MLflow store "
                                f"({short_error(error)}); free space, then {again}{created}") from error
