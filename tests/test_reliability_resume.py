@@ -128,6 +128,18 @@ def test_sigterm_after_an_epoch_then_resume_equals_uninterrupted(tmp_path, store
     assert saved["xmc_repro"]["at"] == "epoch" and saved["global_step"] == STEPS_PER_EPOCH
 
 
+
+def test_data_loading_workers_do_not_change_what_is_trained(tmp_path, store):
+    """trainer.num_workers may change on resume: a run with a worker trains what one without does. Persistent
+    workers drew their base seed from the global RNG (dropout's) once per loader instead of once per epoch, so the
+    masks differed from the second epoch on, and a run resumed after an epoch (new loaders) drew where the
+    uninterrupted one did not."""
+    without, with_worker = _workdir(tmp_path, "without", store), _workdir(tmp_path, "worker", store)
+    for workdir, workers in ((without, 0), (with_worker, 1)):
+        result = cli(workdir, CONFIG + ["trainer.max_epochs=2", f"trainer.num_workers={workers}"])
+        assert result.returncode == 0, result.stderr[-3000:]
+    _compare(without, with_worker)
+
 def test_resume_names_what_is_missing(tmp_path, monkeypatch):
     from xmc_repro.errors import ConfigError
     from xmc_repro.resume import resume_checkpoint

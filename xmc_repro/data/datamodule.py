@@ -273,10 +273,10 @@ class XMCDataModule(pl.LightningDataModule):
         return DataLoader(data, batch_size=None, sampler=sampler, collate_fn=_keep, **self._loader_kwargs())
 
     def _loader_kwargs(self) -> dict:
-        kwargs = {"num_workers": self.num_workers, "pin_memory": self.pin_memory}
-        if self.num_workers > 0:
-            kwargs["persistent_workers"] = True
-        return kwargs
+        # Not persistent_workers: every new iterator draws its workers' base seed from the global RNG (dropout's),
+        # with or without workers; persistent ones draw once per loader, so trainer.num_workers would change the
+        # dropout masks, and a resumed run (a new loader) would draw where the uninterrupted run did not.
+        return {"num_workers": self.num_workers, "pin_memory": self.pin_memory}
 
 
 def _plain(cfg) -> dict:
