@@ -10,6 +10,8 @@ P@3 history) equal within float tolerance.
 from __future__ import annotations
 
 import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -17,7 +19,7 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from test_reliability_common import TINY, cli, copy_store, make_store, runs, start
+from test_reliability_common import TINY, cli, cli_env, command, copy_store, make_store, runs, start
 from test_reliability_common import no_run_left_running  # noqa: F401  (autouse)
 from xmc_repro import checkpoints
 from xmc_repro.errors import ConfigError
@@ -139,6 +141,39 @@ def test_data_loading_workers_do_not_change_what_is_trained(tmp_path, store):
         result = cli(workdir, CONFIG + ["trainer.max_epochs=2", f"trainer.num_workers={workers}"])
         assert result.returncode == 0, result.stderr[-3000:]
     _compare(without, with_worker)
+
+# The command line, SIGKILLed by itself right after its first epoch-end checkpoint is in place.
+KILLED_AFTER_THE_EPOCH_CHECKPOINT = """
+import os, signal, sys
+from xmc_repro import checkpoints, entry
+save = checkpoints.LastCheckpoint._save
+def save_then_die(self, trainer, pl_module, at):
+    save(self, trainer, pl_module, at)
+    if at == "epoch":
+        os.kill(os.getpid(), signal.SIGKILL)
+checkpoints.LastCheckpoint._save = save_then_die
+sys.argv[0] = "xmc_repro"
+entry.main()
+"""
+
+
+def test_a_kill_right_after_an_epoch_checkpoint_loses_none_of_the_epoch_metrics(tmp_path, store):
+    """Lightning logs an epoch's training metrics after the epoch-end checkpoint is written; the resumed run, which
+    starts from the next epoch, logs those the killed process had not."""
+    reference, killed = _workdir(tmp_path, "reference", store), _workdir(tmp_path, "killed", store)
+    result = cli(reference, CONFIG + ["trainer.max_epochs=2"])
+    assert result.returncode == 0, result.stderr[-3000:]
+    args = command(killed, CONFIG + ["trainer.max_epochs=2"])[3:]  # after `python -m xmc_repro`
+    died = subprocess.run([sys.executable, "-c", KILLED_AFTER_THE_EPOCH_CHECKPOINT, *args], cwd=killed,
+                          env=cli_env(), capture_output=True, text=True, timeout=300)
+    assert died.returncode == -signal.SIGKILL, died.stderr[-3000:]
+    (checkpoint,) = killed.glob("checkpoints/*/last.ckpt")
+    result = cli(killed, [f"resume={checkpoint.parent.name}"])
+    assert result.returncode == 0, result.stderr[-3000:]
+    ref_run, res_run = _finished_run(reference), _finished_run(killed)
+    assert _history(killed, res_run.info.run_id, "train/loss_epoch") == pytest.approx(
+        _history(reference, ref_run.info.run_id, "train/loss_epoch"), rel=1e-6)
+    assert len(_history(killed, res_run.info.run_id, "epoch_time_s")) == 2
 
 def test_resume_names_what_is_missing(tmp_path, monkeypatch):
     from xmc_repro.errors import ConfigError

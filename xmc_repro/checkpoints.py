@@ -414,6 +414,10 @@ class LastCheckpoint(Checkpoint):
             "monitor": None if monitor is None else float(monitor),
             "epochs_done": trainer.current_epoch + (0 if at == "step" else 1),  # epochs validated so far
         }
+        if at == "epoch":  # Lightning logs the epoch's metrics after this hook: a kill in between would lose them
+            step = trainer.fit_loop.epoch_loop._batches_that_stepped - 1  # the step Lightning logs them at
+            logged = {key: float(value) for key, value in trainer._logger_connector.metrics["log"].items()}
+            checkpoint[STATE_KEY]["epoch_metrics"] = [step, {"epoch": trainer.current_epoch, **logged}]
 
     # ------------------------------------------------------------------ resuming
 
@@ -427,6 +431,9 @@ class LastCheckpoint(Checkpoint):
             return
         if self._restored["at"] == "epoch":  # taken before that epoch's scheduler step, which is still due
             self._plateau_due = (self._restored["epochs_done"] - 1, self._restored.get("monitor"))
+            step, metrics = self._restored.get("epoch_metrics") or (None, {})  # absent from older checkpoints
+            for logger in trainer.loggers if metrics else ():  # a resumed run's logger skips a step logged already
+                logger.log_metrics(metrics, step=step)
         if self._restored.get("should_stop"):
             trainer.should_stop = True  # early stopping had ended the run when the checkpoint was taken
 
