@@ -175,6 +175,24 @@ def test_a_kill_right_after_an_epoch_checkpoint_loses_none_of_the_epoch_metrics(
         _history(reference, ref_run.info.run_id, "train/loss_epoch"), rel=1e-6)
     assert len(_history(killed, res_run.info.run_id, "epoch_time_s")) == 2
 
+
+def test_resume_refuses_data_files_that_changed_since_the_run_started(tmp_path, store):
+    """The run's settings name the same files, whose content changed: the run is not continued on other data."""
+    workdir = _workdir(tmp_path, "changed", store)
+    workdir.joinpath("train.txt").write_text("3 5 3\n0,1 0:1.0 2:0.5\n2 1:1.0\n1 3:0.25 4:1\n")
+    workdir.joinpath("test.txt").write_text("2 5 3\n0 0:1.0\n1,2 4:2.0\n")
+    xc = ["dataset=xc", "dataset.train_file=train.txt", "dataset.test_file=test.txt", "model.connectivity=2",
+          "trainer.batch_size=1", "trainer.max_epochs=100", "trainer.progress_bar=false"]
+    checkpoint = _kill_after_first_checkpoint(start(workdir, xc), workdir, signal.SIGKILL)
+    run_id = checkpoint.parent.name
+    workdir.joinpath("train.txt").write_text("3 5 3\n0,1 0:1.0 2:0.5\n2 1:1.0\n1 3:0.5 4:1\n")  # one value
+    result = cli(workdir, [f"resume={run_id}"])
+    assert result.returncode == 2, result.stderr[-3000:]
+    line = f"resume: the data read now (digest "
+    assert result.stderr.splitlines()[-1].startswith(f"error: {line}") and "Traceback" not in result.stderr
+    (run,) = runs(workdir)
+    assert run.info.status == "FAILED" and run.data.tags["error"].startswith(line)
+
 def test_resume_names_what_is_missing(tmp_path, monkeypatch):
     from xmc_repro.errors import ConfigError
     from xmc_repro.resume import resume_checkpoint

@@ -420,9 +420,15 @@ class RunTracker:
     def log_dataset(self, dataset_cfg: DictConfig, datamodule) -> None:
         """The data as an MLflow dataset input (the runs table's Dataset column): name, digest, sizes."""
         existing = with_retries(self.client.get_run, self.run_id).inputs.dataset_inputs
-        if existing:  # a resumed run logged it already
-            return
         entity = dataset_entity(dataset_cfg, datamodule)
+        if existing:  # a resumed run logged it already: it must go on with the same files (synthetic data: its settings)
+            digests = sorted({item.dataset.digest for item in existing})
+            if entity.digest not in digests and dataset_cfg.get("kind") != "synthetic":
+                raise ConfigError(
+                    f"resume: the data read now (digest {entity.digest}) differs from what run {self.run_id} trained "
+                    f"on (digest {', '.join(digests)}); restore the files it was started with, or start a new run"
+                )
+            return
         context = InputTag("mlflow.data.context", "training")
         with_retries(self.client.log_inputs, self.run_id, [DatasetInput(entity, [context])])
 
