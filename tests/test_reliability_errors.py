@@ -261,6 +261,23 @@ def test_a_full_or_locked_store_at_the_start_says_so(tmp_path, monkeypatch):
                       "it again with resume=r1")
 
 
+
+def test_a_damaged_or_unwritable_store_at_the_start_says_so(tmp_path, monkeypatch):
+    """Both said "cannot use this MLflow store (...); use sqlite:///mlruns.db, ..." (the very store that failed)."""
+    workdir = tmp_path / "damaged"
+    workdir.mkdir()
+    workdir.joinpath("mlruns.db").write_bytes(bytes(range(256)) * 64)  # not a database
+    result = cli(workdir, TINY)
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr[-3000:]
+    assert stderr_lines(result.stderr)[-1] == (
+        f"error: logger.tracking_uri=sqlite:///{workdir}/mlruns.db: the MLflow store's database is damaged "
+        "(DatabaseError: file is not a database); restore it from a backup, or move it aside for a new store, then "
+        "run it again")
+    workdir.joinpath("mlruns.db").unlink()  # no run can be in it (and the check after the test could not read it)
+    refused = _open_run_fails_with(monkeypatch, tmp_path, OSError(30, "Read-only file system", "/data/mlruns.db.lock"))
+    assert refused == ("logger.tracking_uri=sqlite:///<dir>/m.db: cannot write /data/mlruns.db.lock (Read-only file "
+                       "system); make its folder writable or choose another store, then run it again")
+
 @pytest.mark.parametrize("error, says", [
     (_store_error("database or disk is full"),
      "no space left on the device (OperationalError: database or disk is full); free space, then {go_on}"),

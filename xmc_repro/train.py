@@ -134,6 +134,12 @@ def worker_died(error: BaseException) -> bool:
     return isinstance(error, RuntimeError) and "DataLoader worker (pid" in str(error)
 
 
+def damaged_store(error: BaseException) -> bool:
+    """SQLite's words for a database file that is corrupted, truncated or not a database at all."""
+    text = f"{error} {error.__cause__ or ''}"
+    return "database disk image is malformed" in text or "file is not a database" in text
+
+
 def read_only_store(error: BaseException) -> bool:
     """SQLite's word for a database whose file was deleted or moved while open, or made read-only."""
     return "readonly database" in f"{error} {error.__cause__ or ''}"
@@ -252,6 +258,13 @@ def open_run(cfg: DictConfig, run_id: str | None, interrupted: list[int] | None 
         if disk_full(error):
             raise StorageError(f"logger.tracking_uri={uri}: no space left on the disk holding the MLflow store "
                                f"({short_error(error)}); free space, then {again}{created}") from error
+        if damaged_store(error):
+            raise StorageError(f"logger.tracking_uri={uri}: the MLflow store's database is damaged ({short_error(error)}); "
+                               f"restore it from a backup, or move it aside for a new store, then {again}{created}") from error
+        if refused_by_the_os(error):
+            where = f" {error.filename}" if error.filename else ""
+            raise StorageError(f"logger.tracking_uri={uri}: cannot write{where} ({error.strerror}); make its folder "
+                               f"writable or choose another store, then {again}{created}") from error
         raise ConfigError(
             f"logger.tracking_uri={uri}: cannot use this MLflow store ({short_error(error)}); "
             f"use sqlite:///mlruns.db, an http://host:port tracking server, or set MLFLOW_TRACKING_URI{created}"
