@@ -56,6 +56,8 @@ CASES = {
     "npy_nan": (_npy(nan_rows), NPY, "row 1 (0-based), column 5 is nan", True),
     "missing_file": (_xc(), [*XC, "dataset.test_file=nope.txt"], "missing", True),
     "connectivity_too_large": (None, [*TINY, "model.connectivity=100"], "connectivity=100 exceeds", True),
+    "limit_below_one_batch": (None, [*TINY, "trainer.limit_train_batches=0.001"],
+                              "trainer.limit_train_batches=0.001 of an epoch's 20 training batches", True),
     "intermediate_not_positive": (None, [*TINY, "model.intermediate=0"], "model.intermediate=0 must be", False),
     "unknown_config_choice": (None, ["model=nope"], "Could not find 'model/nope'; choose one of: bottleneck", False),
 }
@@ -88,7 +90,8 @@ def outcomes(request, tmp_path_factory, store):
 
 # One case per source of errors runs by default (XC parser, .npy loader, layer sizes, Hydra);
 # the others take as long each (an interpreter start) and run with -m slow.
-DEFAULT_CASES = ("malformed_line", "npy_wrong_dtype", "connectivity_too_large", "unknown_config_choice")
+DEFAULT_CASES = ("malformed_line", "npy_wrong_dtype", "connectivity_too_large", "limit_below_one_batch",
+                 "unknown_config_choice")
 
 
 @pytest.mark.parametrize(

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import functools
+import math
 import os
 import signal
 import threading
@@ -196,6 +197,16 @@ def check_memory(cfg: DictConfig, dm) -> None:
     processes = int(devices) if on_cpu and isinstance(devices, int) else 1  # CPU DDP: every rank holds a copy
     half = str(cfg.trainer.get("precision", "32-true")) in ("bf16-true", "16-true")  # 16-bit weights and Adam state
     check_fits(cfg.model, int(dm.num_features), int(dm.num_labels), on_cpu, processes, value_bytes=2 if half else 4)
+
+
+def check_train_batches(cfg: DictConfig, dm) -> None:
+    """ConfigError (one line) for a fraction `trainer.limit_train_batches` of an epoch's batches that is less than one
+    batch, known once the data is read: Lightning refuses it as fit starts, with a traceback."""
+    limit = cfg.trainer.get("limit_train_batches")
+    batches = math.ceil(dm.num_train_points / int(cfg.trainer.batch_size))
+    if isinstance(limit, float) and int(batches * limit) < 1:  # Lightning's own test
+        raise ConfigError(f"trainer.limit_train_batches={limit} of an epoch's {batches} training batches is less than "
+                          f"one batch; set a fraction of at least 1/{batches}, a number of batches, or null for all")
 
 
 def build_callbacks(cfg: DictConfig, checkpoint_dir: Path, info: dict | None = None) -> dict[str, pl.Callback]:
@@ -474,6 +485,7 @@ def _fit_and_test(cfg, tracker, checkpoint_dir: Path, resume_from: Path | None, 
               f"{dm.num_features:,} features, {dm.num_labels:,} labels ({time.perf_counter() - started:.1f} s)",
               flush=True)
     check_memory(cfg, dm)  # before the model is built: one that cannot fit would be OOM-killed without a word
+    check_train_batches(cfg, dm)
     if tracker is not None:
         tracker.log_dataset(cfg.dataset, dm)
         # File-backed datasets learn their sizes from the files: the report needs them for the state bytes.
