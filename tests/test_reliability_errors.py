@@ -128,7 +128,8 @@ def test_non_finite_loss_fails_the_run_and_keeps_the_last_good_checkpoint(tmp_pa
     assert result.returncode == 1, result.stderr[-2000:]
     errors = [line for line in stderr_lines(result.stderr) if line.startswith("error:")]
     assert len(errors) == 1 and "Traceback" not in result.stderr, result.stderr[-2000:]
-    assert re.search(r"the training loss is (nan|inf) at step 1 ", errors[0]), errors[0]
+    # the epoch as the epoch lines and the progress bar count it (epoch 1/N): the first
+    assert re.search(r"the training loss is (nan|inf) at step 1 \(epoch 1\);", errors[0]), errors[0]
     assert "the last good checkpoint is kept: checkpoints/" in errors[0]
     (run,) = runs(tmp_path)
     assert run.info.status == "FAILED"

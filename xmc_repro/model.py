@@ -192,7 +192,7 @@ class XMCClassifier(pl.LightningModule):
     def _stop_if_non_finite(self, bad: tuple[float, int] | None) -> None:
         if bad is not None:
             raise NonFiniteLossError(
-                f"the training loss is {bad[0]} at step {bad[1]} (epoch {self.current_epoch}); "
+                f"the training loss is {bad[0]} at step {bad[1]} (epoch {self.current_epoch + 1}); "
                 "lower trainer.lr or check the input features for extreme values"
             )
 
@@ -202,7 +202,7 @@ class XMCClassifier(pl.LightningModule):
         self._stop_if_non_finite(bad)
         if ranks_bad:
             raise NonFiniteLossError(f"the training loss is not finite on another DDP rank (by step "
-                                     f"{self.global_step}, epoch {self.current_epoch}; its line says where); lower "
+                                     f"{self.global_step}, epoch {self.current_epoch + 1}; its line says where); lower "
                                      "trainer.lr or check the input features for extreme values")
 
     def _log_step_loss(self, loss: torch.Tensor, batch_size: int) -> None:
