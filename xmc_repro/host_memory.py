@@ -2,13 +2,14 @@
 
 A model that does not fit is otherwise found out by the kernel's OOM killer: a 670,091-label head over 135,909
 bag-of-words inputs with an 8,192-unit intermediate layer (1.1 billion parameters) grew to 23 GiB on a 24 GiB
-machine and was SIGKILLed at its first optimizer step, without a word and with its MLflow run left RUNNING. The
+machine and was SIGKILLed at its first optimizer step (of torch's unfused CPU Adam, which added two temporaries the
+size of the largest parameter), without a word and with its MLflow run left RUNNING. The
 need is known from the shapes alone (`model_sizes`), so a model that cannot fit is refused in one line before
 anything is allocated.
 
-On the CPU a training step holds every float32 parameter four times (weights, gradients, Adam's two moments) and,
-during the step of torch's (unfused) CPU Adam, two temporaries the size of the largest parameter; a GPU run builds
-the model on the host first (weights and index buffers). Activations, the data (already loaded when this runs) and
+On the CPU a training step holds every float32 parameter four times (weights, gradients, Adam's two moments; the
+pipeline's Adam is fused there, `optim.FUSED_ADAM_DEVICES`, and makes no parameter-sized temporaries); a GPU run
+builds the model on the host first (weights and index buffers). Activations, the data (already loaded when this runs) and
 the framework come on top: the estimate is a lower bound, so a refusal is never a false alarm.
 """
 
@@ -55,9 +56,9 @@ def training_bytes(model_cfg, num_features: int, num_labels: int, on_cpu: bool,
     sizes = model_sizes(model_cfg, num_features, num_labels)
     if sizes is None:
         return None
-    weights, buffers, largest = sizes
-    if on_cpu:  # weights, gradients, Adam's two moments; the unfused step's two temporaries of the largest tensor
-        return max(value_bytes * (4 * weights + 2 * largest), 4 * weights) + buffers, weights
+    weights, buffers, _ = sizes
+    if on_cpu:  # weights, gradients, Adam's two moments (its fused step adds no temporaries)
+        return max(value_bytes * 4 * weights, 4 * weights) + buffers, weights
     return 4 * weights + buffers, weights  # built on the host, then moved to the GPU
 
 
@@ -81,7 +82,7 @@ def check_fits(model_cfg, num_features: int, num_labels: int, on_cpu: bool, proc
     if need_bytes <= available:
         return
     where = "to train on the CPU" if on_cpu else "on the host to build it"
-    what = ("weights, gradients, Adam's two moments and its step's temporaries" if on_cpu
+    what = ("weights, gradients and Adam's two moments" if on_cpu
             else "its weights before they move to the GPU")
     copies = f" x {processes} processes" if processes > 1 else ""
     intermediate = model_cfg.get("intermediate")
