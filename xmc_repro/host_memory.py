@@ -20,8 +20,8 @@ from xmc_repro.errors import ConfigError
 GIB = 2**30
 
 
-def model_sizes(model_cfg, num_features: int, num_labels: int) -> tuple[int, int, int] | None:
-    """(float32 parameters, bytes of index buffers, entries of the largest parameter) of the model a config (or a
+def model_sizes(model_cfg, num_features: int, num_labels: int) -> tuple[int, int] | None:
+    """(float32 parameters, bytes of index buffers) of the model a config (or a
     mapping of its settings, as `report.state` makes from a run's params) builds; None for a head of one's own."""
     get = model_cfg.get
     width, tensors, buffers = num_features, [], 0
@@ -46,7 +46,7 @@ def model_sizes(model_cfg, num_features: int, num_labels: int) -> tuple[int, int
         buffers += hashes * num_labels * (4 + 4)
     else:
         return None
-    return sum(tensors), buffers, max(tensors)
+    return sum(tensors), buffers
 
 
 def training_bytes(model_cfg, num_features: int, num_labels: int, on_cpu: bool,
@@ -56,9 +56,9 @@ def training_bytes(model_cfg, num_features: int, num_labels: int, on_cpu: bool,
     sizes = model_sizes(model_cfg, num_features, num_labels)
     if sizes is None:
         return None
-    weights, buffers, _ = sizes
+    weights, buffers = sizes
     if on_cpu:  # weights, gradients, Adam's two moments (its fused step adds no temporaries)
-        return max(value_bytes * 4 * weights, 4 * weights) + buffers, weights
+        return value_bytes * 4 * weights + buffers, weights
     return 4 * weights + buffers, weights  # built on the host, then moved to the GPU
 
 

@@ -53,5 +53,5 @@ def model_state_bytes(params: dict, metrics: dict | None = None) -> int | None:
     sizes = model_sizes(model, *dims)  # a bottleneck run without bottleneck_activation (older): no bias, linear
     if sizes is None:
         return None
-    weights, buffers, _ = sizes
+    weights, buffers = sizes
     return 3 * 4 * weights + buffers
