@@ -1136,8 +1136,8 @@ def test_hidden_files_are_no_records_and_a_duplicate_is_told_to_go(tmp_path):
         records.load(store)
 
 
-def test_dvc_repro_with_a_broken_record_keeps_runs_csv(tmp_path):
-    """DVC deletes a stage's outputs before running it: a broken record cost the committed runs.csv."""
+def _dvc_project(tmp_path):
+    """A DVC project of the stages, the committed results and the report's code; returns (folder, environment)."""
     import subprocess
 
     root = records.PROJECT_ROOT
@@ -1152,9 +1152,35 @@ def test_dvc_repro_with_a_broken_record_keeps_runs_csv(tmp_path):
     (copy / "conf").symlink_to(root / "conf")  # read by the report's grid module, no dependency of the stage
     env = {**__import__("os").environ, "PYTHONPATH": str(copy), "DVC_NO_ANALYTICS": "1"}
     subprocess.run(["dvc", "init", "--no-scm", "-q"], cwd=copy, env=env, check=True, timeout=120)
+    return copy, env
+
+
+def test_dvc_repro_with_a_broken_record_keeps_runs_csv(tmp_path):
+    """DVC deletes a stage's outputs before running it: a broken record cost the committed runs.csv."""
+    import subprocess
+
+    root = records.PROJECT_ROOT
+    copy, env = _dvc_project(tmp_path)
     broken = sorted((copy / "results" / "records").glob("*.json"))[0]
     broken.write_text(broken.read_text()[:100])
     result = subprocess.run(["dvc", "repro", "export"], cwd=copy, env=env, capture_output=True, text=True,
                             timeout=300)  # fmt: skip
     assert result.returncode != 0 and f"{broken.relative_to(copy)}: not valid JSON" in result.stdout + result.stderr
     assert (copy / "results" / "runs.csv").read_bytes() == (root / "results" / "runs.csv").read_bytes()
+
+
+def test_dvc_repro_with_a_damaged_grid_keeps_the_tables_and_figures(tmp_path):
+    """The render stage's folders were not persisted: DVC emptied them before a render that then refused grid.csv."""
+    import subprocess
+
+    root = records.PROJECT_ROOT
+    copy, env = _dvc_project(tmp_path)
+    grid = copy / "results" / "grid.csv"
+    grid.write_text(grid.read_text().replace(",", ";", 20))
+    result = subprocess.run(["dvc", "repro", "render"], cwd=copy, env=env, capture_output=True, text=True,
+                            timeout=300)  # fmt: skip
+    assert result.returncode != 0 and "error: results/grid.csv:" in result.stdout + result.stderr
+    for folder in ("tables", "figures"):
+        kept = sorted(p.relative_to(copy) for p in (copy / "results" / folder).rglob("*") if p.is_file())
+        assert kept == sorted(p.relative_to(root) for p in (root / "results" / folder).rglob("*") if p.is_file())
+        assert all((copy / p).read_bytes() == (root / p).read_bytes() for p in kept)

@@ -190,8 +190,6 @@ def _title(name: str) -> str:
 def render_figures(runs: list[dict], published: list[dict], out_dir: Path) -> list[str]:
     """Write the figures, their data and figures/README.md; returns the figures' file names."""
     data_dir = out_dir / "data"  # made by the first write into it (atomic.replacing)
-    for stale in [*out_dir.glob("*.png"), *data_dir.glob("*.csv")]:  # figures of data no longer in the records
-        stale.unlink()
     theirs, ours = paper_points(published), relative_points(runs)
     names, sections = [], []
     for name in PAPER_DATASETS.values():
@@ -211,4 +209,8 @@ def render_figures(runs: list[dict], published: list[dict], out_dir: Path) -> li
     for heading, file in sections:
         lines += [f"## {heading}", "", f"![{heading}]({file})", ""]
     write_text(out_dir / "README.md", "\n".join(lines), RERUN)
+    written = {out_dir / name for name in names} | {data_dir / f"{name}_{side}.csv" for name in PAPER_DATASETS.values()
+                                                     for side in ("paper", "ours")}  # fmt: skip
+    for stale in {*out_dir.glob("*.png"), *data_dir.glob("*.csv")} - written:  # figures of data no longer recorded
+        stale.unlink()
     return names

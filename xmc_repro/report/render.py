@@ -382,5 +382,8 @@ def render_tables(runs: list[dict], published: list[dict], out_dir: Path, expect
         write_text(out_dir / f"{table}.tex", latex(table, blocks), RERUN)
         write_csv(rows, out_dir / f"{table}.csv")
         rendered[table] = rows
+    written = {out_dir / f"{table}.{ext}" for table in TABLES for ext in ("md", "tex", "csv")}
+    for stale in {p for ext in ("md", "tex", "csv") for p in out_dir.glob(f"*.{ext}")} - written:  # a table dropped
+        stale.unlink()
     return rendered
 
