@@ -1061,6 +1061,8 @@ def _table_record(**changes) -> dict:
                                                            "configuration"),
     (lambda r: r["tags"].update(table=4), 'tag table is 4, not a string (write it as "4")'),
     (lambda r: r["metrics"].update({"test/p_at_3": math.nan}), "metric test/p_at_3 is nan, not a finite number"),
+    (lambda r: r["metrics"].update({"time_per_epoch_s": 1.7976931348623157e308}), "metric time_per_epoch_s is "
+     "1.7976931348623157e+308 (infinite, as MLflow stores it), not a finite number"),
     (lambda r: r.update(metrics={}), "no metrics: a finished table run has its test scores"),
     (lambda r: r.update(status="finished"), "status is 'finished', not one of RUNNING, SCHEDULED, FINISHED, FAILED, "
                                             "KILLED"),
@@ -1114,6 +1116,15 @@ def test_records_add_leaves_a_run_with_a_nan_metric_in_its_store_and_names_it(tm
     assert capsys.readouterr().out.strip().endswith(
         f"1 new, 0 updated, 0 unchanged records from {uri}; left out 1 runs: 1 unusable as records (run {run_id}: "
         "metric test/p_at_1 is nan, not a finite number)")
+    client.set_terminated(run_id, "FAILED")
+    infinite = client.create_run(experiment).info.run_id  # MLflow's sqlite store keeps inf as the largest float
+    client.log_batch(infinite, metrics=[Metric("time_per_epoch_s", math.inf, 0, 0)],
+                     params=[Param(k, v) for k, v in params_of(BIBTEX, "dense", seed=1).items()],
+                     tags=[RunTag("table", "table1")])  # fmt: skip
+    client.set_terminated(infinite, "FINISHED")
+    assert records.add_from_store(uri, directory)["unusable"] == [
+        f"run {infinite}: metric time_per_epoch_s is 1.7976931348623157e+308 (infinite, as MLflow stores it), not a "
+        "finite number"]  # fmt: skip
     assert len(records.load(directory)) == 1
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -121,6 +122,8 @@ def malformed(record: dict) -> str | None:
             return f"metric {name} is {value!r}, not a number"
         if not math.isfinite(value):
             return f"metric {name} is {value}, not a finite number"
+        if abs(value) == sys.float_info.max:  # how MLflow's database stores keep an infinite value
+            return f"metric {name} is {value} (infinite, as MLflow stores it), not a finite number"
     for name, value in record.get("tags", {}).items():
         if not isinstance(value, str):
             quoted = f' (write it as "{value}")' if isinstance(value, (int, float)) else ""
