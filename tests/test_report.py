@@ -1064,6 +1064,7 @@ def _table_record(**changes) -> dict:
     (lambda r: r["metrics"].update({"time_per_epoch_s": 1.7976931348623157e308}), "metric time_per_epoch_s is "
      "1.7976931348623157e+308 (infinite, as MLflow stores it), not a finite number"),
     (lambda r: r.update(metrics={}), "no metrics: a finished table run has its test scores"),
+    (lambda r: r.update(start_time=20260102), '"start_time" is 20260102, not a string'),
     (lambda r: r.update(status="finished"), "status is 'finished', not one of RUNNING, SCHEDULED, FINISHED, FAILED, "
                                             "KILLED"),
 ])  # fmt: skip

@@ -115,6 +115,9 @@ def malformed(record: dict) -> str | None:
     for key in ("params", "metrics", "tags"):
         if not isinstance(record.get(key, {}), dict):
             return f'"{key}" must be an object of names and values'
+    for key in ("run_id", "start_time", "end_time"):  # the export orders a configuration's runs by these
+        if not isinstance(record.get(key) or "", str):
+            return f'"{key}" is {json.dumps(record[key])}, not a string'
     if record.get("status") not in STATUSES:
         return f"status is {record.get('status')!r}, not one of {', '.join(STATUSES)}"
     for name, value in record.get("metrics", {}).items():
