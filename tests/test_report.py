@@ -114,6 +114,22 @@ def test_export_takes_the_latest_run_per_seed_then_mean_and_spread_over_seeds(st
     assert row["device"] == CPU and len(row["run_ids"].split(";")) == 3
 
 
+def test_a_head_of_ones_own_is_a_configuration_per_setting_of_its_own(store, tmp_path):
+    """README's LowRankHead at rank 16 and 32 were one configuration: seeds of one model, or one's rerun replacing
+    the other's."""
+    def lowrank(rank, seed):
+        return {**params_of(BIBTEX, "lowrank", 32, 128, seed=seed), "model/rank": str(rank), "model/init": "authors"}
+
+    log_run(store, lowrank(16, 0), metrics_of(10.0), table="table4")
+    log_run(store, lowrank(32, 1), metrics_of(30.0), table="table4")
+    log_run(store, lowrank(32, 0), metrics_of(20.0), table="table4", start=5)
+    rows = export(tmp_path / "runs.csv", store)
+    assert {(r["setup"], r["connectivity"], r["seeds"], r["test_p1"]) for r in rows} == {
+        ("lowrank rank=16", "", "0", "10"), ("lowrank rank=32", "", "0;1", "25")}
+    assert "Bibtex bow: lowrank rank=32 + 128 (seeds 0,1)" in markdown("table4", [(
+        "smoke", table_rows("table4", "smoke", read_runs_csv(tmp_path / "runs.csv"), [], paper.load()))])
+
+
 def test_export_keeps_configurations_tables_and_scales_apart_and_skips_untagged_runs(store, tmp_path):
     log_run(store, params_of(BIBTEX, "uniform", 32, 256), metrics_of(40.0))
     log_run(store, params_of(BIBTEX, "uniform", 64, 256), metrics_of(42.0))

@@ -52,6 +52,11 @@ SETTINGS = (
     "trainer/train_eval_max_points", "validate_on",
 )  # fmt: skip
 NO_SCALE = "none"  # a run tagged with a table but launched without a scale
+# The heads the columns above describe; a head of one's own (README, "A new last layer") is told apart by its own
+# settings, its `model/*` params other than those every head has (conf/model_common.yaml), named in `setup`.
+PAPER_HEADS = ("dense", "uniform", "unstructured", "bottleneck", "mach")
+COMMON_MODEL_SETTINGS = ("head", "intermediate", "connectivity", "bottleneck", "mach", "init", "rewire_fraction",
+                         "rewire_schedule", "rewire_exact_count")  # fmt: skip
 
 
 def _value(params: dict, key: str) -> str:
@@ -68,6 +73,8 @@ def configuration(params: dict, tags: dict) -> dict[str, str]:
     `model.connectivity` does not split one configuration in two.
     """
     setup = _value(params, "model/head")
+    if setup and setup not in PAPER_HEADS:
+        setup = " ".join([setup, *(f"{key}={value}" for key, value in _own_settings(params))])
     return {
         "table": tags.get("table") or "",
         "scale": tags.get("scale") or NO_SCALE,
@@ -85,6 +92,16 @@ def configuration(params: dict, tags: dict) -> dict[str, str]:
             params, "trainer/precision"),
         "settings": "",  # see `split_by_settings`
     }
+
+
+def _own_settings(params: dict) -> list[tuple[str, str]]:
+    """A head's own settings (`model/rank` as ("rank", "16")), by name."""
+    own = {}
+    for key in params:
+        group, separator, name = key.replace(".", "/").partition("/")
+        if group == "model" and separator and name.split("/")[0] not in COMMON_MODEL_SETTINGS:
+            own[name.replace("/", "_")] = _value(params, key.replace(".", "/")) or "null"
+    return sorted(own.items())
 
 
 def setting_name(key: str) -> str:
