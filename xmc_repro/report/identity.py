@@ -9,6 +9,9 @@ configuration into that name, so that published and measured values can stand si
 
 from __future__ import annotations
 
+import yaml
+
+from xmc_repro.resources import resource_dir
 from xmc_repro.validation import DEFAULT_SINCE_THE_SETTING, implied_before
 
 # The paper's datasets and feature sets -> our config of it (conf/dataset/<name>.yaml), which also names figures.
@@ -53,10 +56,9 @@ SETTINGS = (
 )  # fmt: skip
 NO_SCALE = "none"  # a run tagged with a table but launched without a scale
 # The heads the columns above describe; a head of one's own (README, "A new last layer") is told apart by its own
-# settings, its `model/*` params other than those every head has (conf/model_common.yaml), named in `setup`.
+# settings, its `model/*` params other than those every head has (the keys of conf/model_common.yaml), in `setup`.
 PAPER_HEADS = ("dense", "uniform", "unstructured", "bottleneck", "mach")
-COMMON_MODEL_SETTINGS = ("head", "intermediate", "connectivity", "bottleneck", "mach", "init", "rewire_fraction",
-                         "rewire_schedule", "rewire_exact_count")  # fmt: skip
+COMMON_MODEL_SETTINGS = tuple(yaml.safe_load((resource_dir("conf") / "model_common.yaml").read_text()))
 
 
 def _value(params: dict, key: str) -> str:
