@@ -65,6 +65,34 @@ def test_second_writer_of_a_run_is_refused(tmp_path, store, resume):
     assert run.info.status == "FAILED" and "resumed" not in run.data.tags  # the refused resume touched nothing
 
 
+
+def test_second_writer_from_another_folder_is_refused(tmp_path, store):
+    """A copy of the checkpoint resumed in another folder, while the run trains here: both processes wrote the run
+    (its metric history twice, steps interleaved). The tag writer_lock names the live writer's lock."""
+    from mlflow.tracking import MlflowClient
+
+    run_id = _failed_run_with_checkpoint(tmp_path, store)
+    client = MlflowClient(f"sqlite:///{tmp_path / 'mlruns.db'}")
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    shutil.copy(tmp_path / "checkpoints" / run_id / "last.ckpt", elsewhere / "last.ckpt")
+    lock = checkpoints.RunLock(tmp_path / "checkpoints" / run_id)
+    assert lock.acquire()  # as a first `resume=<id>` still training here would hold it
+    client.update_run(run_id, status="RUNNING")
+    try:
+        result = subprocess.run(command(tmp_path, ["resume=last.ckpt", "trainer.max_epochs=2"]), cwd=elsewhere,
+                                env=cli_env(), capture_output=True, text=True, timeout=300)
+    finally:
+        lock.release()
+        client.set_terminated(run_id, "FAILED")
+    assert result.returncode == 2, result.stderr[-3000:]
+    lines = stderr_lines(result.stderr)
+    assert len(lines) == 1 and lines[0].startswith(f"error: resume={run_id}: run {run_id} is being written by another "
+                                                   "process (pid "), result.stderr[-3000:]
+    assert str(lock.path.resolve()) in lines[0]
+    (run,) = runs(tmp_path)
+    assert "resumed" not in run.data.tags and run.data.tags["writer_lock"].endswith(str(lock.path.resolve()))
+
 def test_lock_is_exclusive_and_dies_with_its_process(tmp_path):
     first, second = checkpoints.RunLock(tmp_path), checkpoints.RunLock(tmp_path)
     assert first.acquire() and not second.acquire() and second.is_held()

@@ -35,7 +35,7 @@ from mlflow.tracking import MlflowClient
 from omegaconf import DictConfig, OmegaConf
 
 from xmc_repro.errors import ConfigError, left_running
-from xmc_repro.report.records import RESUMED_PREFIX, STARTED_BY
+from xmc_repro.report.records import RESUMED_PREFIX, STARTED_BY, WRITER
 
 try:
     import fcntl
@@ -178,6 +178,11 @@ def started_by() -> str:
     return f"{os.getpid()}@{platform.node()}:{Path.cwd().resolve()}"
 
 
+def writer_tag(lock: Path) -> str:
+    """`<host>:<lock file>`: the writer lock (checkpoints.RunLock) held by the process writing a run (tag WRITER)."""
+    return f"{platform.node()}:{Path(lock).resolve()}"
+
+
 def create_store_whole(tracking_uri: str) -> None:
     """Create a sqlite store that does not exist yet in a temporary file, renamed into place once MLflow's schema is
     complete. MLflow's migrations are not one transaction (some commit part-way): a process killed among them
@@ -276,10 +281,12 @@ class RunTracker:
     """
 
     def __init__(self, tracking_uri: str, experiment_name: str, run_id: str | None = None, run_name: str | None = None,
-                 raise_pending=None):
+                 raise_pending=None, held: tuple[str, ...] = ()):
         """`raise_pending()`, if given, raises a signal deferred while the run opens (`train.interruptions_deferred`);
-        it is called while the store is busy and nothing of the run is written yet, so waiting stays interruptible."""
+        it is called while the store is busy and nothing of the run is written yet, so waiting stays interruptible.
+        `held`: the `writer_tag`s of the writer locks this process holds for the run it reopens."""
         self.tracking_uri = tracking_uri
+        self.held = held
         self.closed_as: str | None = None  # the status `finish` gave the run
         self.reopened = run_id is not None  # a resumed run: what it logged before may be logged again
         check_store(tracking_uri)
@@ -343,6 +350,7 @@ class RunTracker:
             ) from None
         if run.info.status == "FINISHED":
             raise ConfigError(f"resume={run_id}: that run already FINISHED; start a new run (without resume=)")
+        self._refuse_a_live_writer(run)
         self.experiment_id = run.info.experiment_id  # the runs table the summary links to is the run's
         # The status first: until it is written, giving up on a busy store leaves the run as it was.
         with_retries(self.client.update_run, run_id, status="RUNNING", while_waiting=raise_pending)
@@ -356,6 +364,22 @@ class RunTracker:
             with suppress(Exception):
                 self.client.update_run(run_id, status=run.info.status)
             raise
+
+    def _refuse_a_live_writer(self, run) -> None:
+        """ConfigError when another process on this machine writes the run, maybe from another folder (a copy of its
+        checkpoint resumed elsewhere): its lock, named by the tag WRITER, is held. Before anything is written."""
+        writer = run.data.tags.get(WRITER, "")
+        host, _, lock = writer.partition(":")
+        if run.info.status != "RUNNING" or host != platform.node() or not lock or writer in self.held:
+            return
+        from xmc_repro.checkpoints import RunLock
+
+        holder = RunLock(Path(lock).parent)
+        if holder.is_held():
+            raise ConfigError(
+                f"resume={run.info.run_id}: run {run.info.run_id} is being written by another process (pid "
+                f"{holder.holder()}, lock {lock}); a run has one writer: wait for that process to end, or stop it, "
+                "then resume")
 
     def status(self) -> str:
         return with_retries(self.client.get_run, self.run_id).info.status

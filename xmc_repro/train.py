@@ -34,8 +34,9 @@ from xmc_repro.distributed import another_rank_stopped, launch_problem, launch_r
 from xmc_repro.errors import ConfigError, StorageError, UserError, left_running
 from xmc_repro.metrics import inverse_propensity
 from xmc_repro.model import NonFiniteLossError, XMCClassifier, instantiate_with
+from xmc_repro.report.records import WRITER
 from xmc_repro.resume import CHECKPOINT_ROOT, note_started, prepare
-from xmc_repro.tracking import RunTracker, device_name, git_commit, is_contention, short_error
+from xmc_repro.tracking import RunTracker, device_name, git_commit, is_contention, short_error, writer_tag
 from xmc_repro.validation import BEFORE_THE_SETTING
 from xmc_repro.validation import validate as validate_values
 
@@ -251,13 +252,16 @@ def sweep_tags() -> dict[str, str]:
     return {"sweep_id": Path(hc.sweep.dir).as_posix(), "job_num": str(hc.job.num)}
 
 
-def open_run(cfg: DictConfig, run_id: str | None, interrupted: list[int] | None = None) -> RunTracker:
+def open_run(cfg: DictConfig, run_id: str | None, interrupted: list[int] | None = None,
+             held: tuple[str, ...] = ()) -> RunTracker:
     """A new MLflow run, or the one `resume` continues; a UserError (one line) if the store cannot be used.
-    `interrupted`: the signals `interruptions_deferred` noted; one ends the wait for a busy store."""
+    `interrupted`: the signals `interruptions_deferred` noted; one ends the wait for a busy store. `held`: the
+    `writer_tag`s of the resumed run's locks, taken."""
     uri = cfg.logger.tracking_uri
     pending = functools.partial(raise_deferred, interrupted) if interrupted is not None else None
     try:
-        return RunTracker(uri, cfg.logger.experiment_name, run_id=run_id, run_name=run_name(cfg), raise_pending=pending)
+        return RunTracker(uri, cfg.logger.experiment_name, run_id=run_id, run_name=run_name(cfg),
+                          raise_pending=pending, held=held)
     except UserError:
         raise
     except Exception as error:
@@ -270,8 +274,9 @@ def open_run(cfg: DictConfig, run_id: str | None, interrupted: list[int] | None 
             raise StorageError(f"logger.tracking_uri={uri}: no space left on the disk holding the MLflow store "
                                f"({short_error(error)}); free space, then {again}{created}") from error
         if damaged_store(error):
-            raise StorageError(f"logger.tracking_uri={uri}: the MLflow store's database is damaged ({short_error(error)}); "
-                               f"restore it from a backup, or move it aside for a new store, then {again}{created}") from error
+            raise StorageError(f"logger.tracking_uri={uri}: the MLflow store's database is damaged "
+                               f"({short_error(error)}); restore it from a backup, or move it aside for a new store, "
+                               f"then {again}{created}") from error
         if refused_by_the_os(error):
             where = f" {error.filename}" if error.filename else ""
             raise StorageError(f"logger.tracking_uri={uri}: cannot write{where} ({error.strerror}); make its folder "
@@ -371,7 +376,7 @@ def _run_and_record(cfg: DictConfig, resume_from: Path | None, run_id: str | Non
     locks = _hold_resumed(resume_from, run_id) if resume_from else []
     try:
         with interruptions_deferred() as interrupted:
-            tracker = open_run(cfg, run_id, interrupted)
+            tracker = open_run(cfg, run_id, interrupted, tuple(writer_tag(lock.path) for lock in locks))
     except BaseException as error:
         _release(locks)
         if isinstance(error, (KeyboardInterrupt, SIGTERMException)):  # while waiting for a busy store
@@ -390,7 +395,7 @@ def _run_and_record(cfg: DictConfig, resume_from: Path | None, run_id: str | Non
         tracker.log_config(
             cfg,
             {"table": cfg.table, "scale": cfg.scale, "git_commit": git_commit(), "dataset": cfg.dataset.name,
-             **sweep_tags()},
+             WRITER: writer_tag(locks[0].path), **sweep_tags()},  # a resume from elsewhere checks this lock
         )
         return _fit_and_test(cfg, tracker, checkpoint_dir, resume_from, progress)
     except BaseException as error:  # KeyboardInterrupt included: the run must not stay RUNNING

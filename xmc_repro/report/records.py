@@ -24,6 +24,7 @@ DEFAULT_TRACKING_URI = "sqlite:///mlruns.db"  # as conf/logger/mlflow.yaml: rela
 REQUIRED = ("run_id", "status", "params", "metrics", "tags")
 RESUMED_PREFIX = "resumed/"  # tag of a setting that a resume changed: `resumed/trainer/max_epochs`
 STARTED_BY = "started_by"  # tag `<pid>@<host>:<folder>` of the process that created the run; local, not recorded
+WRITER = "writer_lock"  # tag `<host>:<lock file>` of the process writing the run (checkpoints.RunLock); not recorded
 
 
 def iso_time(milliseconds: int | None) -> str:
@@ -34,7 +35,8 @@ def iso_time(milliseconds: int | None) -> str:
 
 
 def record_of_run(run) -> dict:
-    """The record of an MLflow run. MLflow's own tags (`mlflow.user`, source paths) and `started_by` are left out."""
+    """The record of an MLflow run. MLflow's own tags (`mlflow.user`, source paths), `started_by` and `writer_lock` are
+    left out."""
     info, data = run.info, run.data
     return {
         "run_id": info.run_id,
@@ -44,7 +46,7 @@ def record_of_run(run) -> dict:
         "end_time": iso_time(info.end_time),
         "params": dict(data.params),
         "metrics": dict(data.metrics),
-        "tags": {k: v for k, v in data.tags.items() if not k.startswith("mlflow.") and k != STARTED_BY},
+        "tags": {k: v for k, v in data.tags.items() if not k.startswith("mlflow.") and k not in (STARTED_BY, WRITER)},
         "source": "mlflow",
     }
 
