@@ -324,6 +324,23 @@ def test_reopening_a_run(tmp_path, store):
         RunTracker(uri, "e", run_id="0" * 32)
 
 
+
+def test_resuming_a_deleted_run_says_how_to_restore_it(tmp_path, store):
+    """It said "cannot use this MLflow store (MlflowException: The run ... must be in the 'active' state ...); use
+    sqlite:///mlruns.db, ..." of the store the run is in."""
+    from xmc_repro.errors import ConfigError
+    from xmc_repro.tracking import RunTracker
+
+    copy_store(store, tmp_path)
+    uri = f"sqlite:///{tmp_path / 'mlruns.db'}"
+    failed = RunTracker(uri, "e")
+    failed.finish("FAILED", "interrupted (SIGTERM)")
+    failed.client.delete_run(failed.run_id)
+    with pytest.raises(ConfigError, match=rf"^resume={failed.run_id}: that MLflow run was deleted; restore it to "
+                                          rf"continue it \(mlflow runs restore --run-id {failed.run_id}, with "):
+        RunTracker(uri, "e", run_id=failed.run_id)
+    assert failed.client.get_run(failed.run_id).info.status == "FAILED"
+
 def test_a_resumed_run_stays_in_its_experiment_whatever_the_experiment_name(tmp_path, store):
     """`logger` comes from the resuming command line: without the run's logger.experiment_name, the summary linked
     the runs table of another (new, empty) experiment."""

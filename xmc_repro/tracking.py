@@ -350,6 +350,10 @@ class RunTracker:
             ) from None
         if run.info.status == "FINISHED":
             raise ConfigError(f"resume={run_id}: that run already FINISHED; start a new run (without resume=)")
+        if run.info.lifecycle_stage == "deleted":  # MLflow refuses every write to it
+            raise ConfigError(f"resume={run_id}: that MLflow run was deleted; restore it to continue it (mlflow runs "
+                              f"restore --run-id {run_id}, with MLFLOW_TRACKING_URI={self.tracking_uri}), or start a "
+                              "new run (without resume=)")
         self._refuse_a_live_writer(run)
         self.experiment_id = run.info.experiment_id  # the runs table the summary links to is the run's
         # The status first: until it is written, giving up on a busy store leaves the run as it was.
