@@ -236,6 +236,23 @@ def test_a_sigterm_anywhere_in_the_run_ends_it_in_one_line_with_exit_143(tmp_pat
     assert ("test/p_at_1" in run.data.metrics) == (where == "finished")
 
 
+
+def test_a_closed_terminal_ends_the_run_as_sigterm_does(tmp_path, store):
+    """SIGHUP (the terminal closed, an ssh session dropped) ended the process without a word, its run RUNNING."""
+    copy_store(store, tmp_path)
+    process = start(tmp_path, [*TINY, "trainer.max_epochs=50"])
+    deadline = time.monotonic() + 240
+    while not list(tmp_path.glob("checkpoints/*/last.ckpt")):
+        assert process.poll() is None and time.monotonic() < deadline, process.stderr.read()[-3000:]
+        time.sleep(0.05)
+    process.send_signal(signal.SIGHUP)
+    _, stderr = process.communicate(timeout=120)
+    run_id = next(tmp_path.glob("checkpoints/*/last.ckpt")).parent.name
+    line = f"interrupted (SIGTERM); continue it with resume={run_id}"
+    assert process.returncode == 143 and stderr_lines(stderr)[-1] == f"error: {line}", stderr[-3000:]
+    (run,) = runs(tmp_path)
+    assert run.info.status == "FAILED" and run.data.tags["error"] == line
+
 def test_runs_of_sweep_jobs_killed_by_their_launcher_are_closed_by_the_sweep(tmp_path, store):
     """joblib kills its workers on Ctrl+C before a job can mark its run FAILED; the sweep's own process then closes
     the runs its jobs listed that no process writes any more, and leaves a run whose job is alive to that job."""

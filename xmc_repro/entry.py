@@ -351,6 +351,10 @@ def _sigterm_stops_like_ctrl_c(signum, frame):
     raise SweepTerminated()
 
 
+def _sighup_stops_like_sigterm(signum, frame):
+    os.kill(os.getpid(), signal.SIGTERM)  # whichever SIGTERM handler is in place now (the run's, Lightning's) takes it
+
+
 def main() -> None:
     if any(arg in ("--help", "-h") for arg in sys.argv[1:]):  # ours, not Hydra's: what the tool does, its groups
         from xmc_repro.cli import help_text
@@ -358,6 +362,10 @@ def main() -> None:
         print(help_text(), end="")
         return
     _one_line_hydra_errors()
+    if hasattr(signal, "SIGHUP") and signal.getsignal(signal.SIGHUP) is signal.SIG_DFL:  # not under nohup
+        # The terminal closed (an ssh session dropped): SIGHUP would end the process without a word and leave its
+        # MLflow run RUNNING; it stops the run as SIGTERM does.
+        signal.signal(signal.SIGHUP, _sighup_stops_like_sigterm)
     if os.environ.get(OUTCOMES_ENV):  # started by a sweep's own process (a launcher's job): that one reports
         _run_task()
         return
