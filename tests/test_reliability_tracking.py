@@ -369,6 +369,29 @@ def test_ctrl_c_ends_the_wait_for_a_locked_store_before_any_run_exists(tmp_path,
     assert runs(tmp_path) == []
 
 
+
+def test_a_store_lock_held_for_good_is_reported_after_the_retry_window(tmp_path, monkeypatch):
+    """A process stopped (Ctrl+Z) while it held `mlruns.db.lock` kept every new run waiting without a word, for ever."""
+    import fcntl
+
+    from xmc_repro import train
+    from xmc_repro.errors import StorageError
+    from test_reliability_common import tiny_config
+
+    monkeypatch.setattr(tracking, "RETRY_SECONDS", 0.5)
+    import threading
+
+    held = open(tmp_path / "m.db.lock", "a")  # another open file: flock refuses this process too
+    fcntl.flock(held, fcntl.LOCK_EX)
+    threading.Timer(5, held.close).start()  # a waiting open ends then (without a bound it waited for this)
+    began = time.monotonic()
+    with pytest.raises(StorageError) as info:
+        train.open_run(tiny_config(tmp_path / "m.db"), None)
+    assert time.monotonic() - began < 5
+    assert str(info.value) == (f"logger.tracking_uri=sqlite:///{tmp_path}/m.db: the MLflow store stayed locked by "
+                               f"another process for 0 s (TimeoutError: database is locked: another process holds "
+                               f"{tmp_path}/m.db.lock); let that process finish or stop it, then run it again")
+
 def test_resume_without_a_checkpoint_tells_a_busy_store_from_a_missing_run(tmp_path, tmp_path_factory, monkeypatch):
     """`resume=<id>` of a run with no checkpoint reads the run to close it: a locked store was taken for a store
     without the run ("no MLflow run ... set logger.tracking_uri"), or its client failed unretried."""

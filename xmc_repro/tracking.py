@@ -149,24 +149,27 @@ def sqlite_path(tracking_uri: str) -> Path | None:
 def store_lock(tracking_uri: str, while_waiting=None):
     """Exclusive lock on `<db>.lock` while a process first touches a sqlite store (schema, experiment).
 
-    With `while_waiting`, the lock is polled and `while_waiting()` called between tries (see `with_retries`): a
-    blocking flock would hold a deferred Ctrl+C for as long as another process waits for a locked store."""
+    The lock is polled, for up to RETRY_SECONDS as a locked database is (a process stopped with Ctrl+Z while it held
+    the lock kept every new run waiting without a word); `while_waiting()`, if given, is called between tries (see
+    `with_retries`): a blocking flock would hold a deferred Ctrl+C for as long as another process waits."""
     path = sqlite_path(tracking_uri)
     if path is None or fcntl is None:
         yield
         return
     path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path.with_name(path.name + ".lock"), "a") as handle:
-        if while_waiting is None:
-            fcntl.flock(handle, fcntl.LOCK_EX)
-        else:
-            while True:
-                try:
-                    fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                    break
-                except BlockingIOError:
+    lock = path.with_name(path.name + ".lock")
+    deadline = time.monotonic() + RETRY_SECONDS
+    with open(lock, "a") as handle:
+        while True:
+            try:
+                fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() > deadline:  # worded as SQLite's lock, which it guards: `is_contention`
+                    raise TimeoutError(f"database is locked: another process holds {lock}") from None
+                if while_waiting is not None:
                     while_waiting()
-                    time.sleep(0.1)
+                time.sleep(0.1)
         try:
             yield
         finally:
