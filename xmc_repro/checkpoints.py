@@ -289,7 +289,8 @@ class SafeCheckpointIO(TorchCheckpointIO):
 
 
 def write(checkpoint: dict, path: Path) -> None:
-    """torch.save to `path`, flushed to disk; on failure the partial file is removed and a StorageError says why."""
+    """torch.save to `path`, flushed to disk; on failure the partial file is removed and a StorageError says why (Ctrl+C
+    removes it too)."""
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         with open(path, "wb") as handle:
@@ -298,6 +299,9 @@ def write(checkpoint: dict, path: Path) -> None:
             os.fsync(handle.fileno())
     except (OSError, RuntimeError) as raised:
         path.unlink(missing_ok=True)
+        interrupt = _cause(raised, KeyboardInterrupt)
+        if interrupt is not None:  # Ctrl+C mid-write, under the zip writer's own failure as it closes the archive
+            raise interrupt from None
         error = _os_error(raised)
         if error is None:
             raise
@@ -310,6 +314,9 @@ def write(checkpoint: dict, path: Path) -> None:
         else:  # the run's first checkpoint: nothing to continue from
             then = f"the partial file is removed and the run has no checkpoint yet; {fix}, then start it again"
         raise StorageError(f"cannot write checkpoint {path} ({reason}); {then}") from None
+    except BaseException:  # Ctrl+C mid-write (seconds for a large checkpoint): no partial file left either
+        path.unlink(missing_ok=True)
+        raise
 
 
 def _tensor_bytes(value) -> int:
@@ -326,7 +333,12 @@ def _tensor_bytes(value) -> int:
 def _os_error(error: BaseException | None) -> OSError | None:
     """The OSError itself, or the one behind a RuntimeError: when the disk fills up mid-file, torch's zip writer
     fails again while closing the archive, and its RuntimeError ("unexpected pos ...") hides the ENOSPC."""
-    while error is not None and not isinstance(error, OSError):
+    return _cause(error, OSError)
+
+
+def _cause(error: BaseException | None, kind: type) -> BaseException | None:
+    """`error` or the first exception of type `kind` in its chain of contexts (None when there is none)."""
+    while error is not None and not isinstance(error, kind):
         error = error.__context__
     return error
 
