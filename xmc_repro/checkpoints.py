@@ -302,7 +302,7 @@ def write(checkpoint: dict, path: Path) -> None:
         interrupt = _cause(raised, KeyboardInterrupt)
         if interrupt is not None:  # Ctrl+C mid-write, under the zip writer's own failure as it closes the archive
             raise interrupt from None
-        error = _os_error(raised)
+        error = _cause(raised, OSError)
         if error is None:
             raise
         full = error.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
@@ -330,14 +330,10 @@ def _tensor_bytes(value) -> int:
     return 0
 
 
-def _os_error(error: BaseException | None) -> OSError | None:
-    """The OSError itself, or the one behind a RuntimeError: when the disk fills up mid-file, torch's zip writer
-    fails again while closing the archive, and its RuntimeError ("unexpected pos ...") hides the ENOSPC."""
-    return _cause(error, OSError)
-
-
 def _cause(error: BaseException | None, kind: type) -> BaseException | None:
-    """`error` or the first exception of type `kind` in its chain of contexts (None when there is none)."""
+    """`error` or the first exception of type `kind` in its chain of contexts (None when there is none): when the disk
+    fills up mid-file or Ctrl+C comes, torch's zip writer fails again while closing the archive, and its RuntimeError
+    ("unexpected pos ...") hides the ENOSPC or the KeyboardInterrupt."""
     while error is not None and not isinstance(error, kind):
         error = error.__context__
     return error
