@@ -6,13 +6,11 @@ One tiny real run (module fixture) provides a genuine checkpoint; the faults are
 
 from __future__ import annotations
 
-import os
 import shutil
 from pathlib import Path
 
 import pytest
 import torch
-from omegaconf import OmegaConf
 
 from test_reliability_common import TINY, cli, copy_store, make_store, runs, stderr_lines, tiny_config
 from test_reliability_common import no_run_left_running  # noqa: F401  (autouse)
@@ -255,7 +253,6 @@ def test_disk_filling_up_mid_file_is_one_line(tmp_path, monkeypatch):
     assert not tmp.exists()
 
 
-
 def test_ctrl_c_while_a_checkpoint_is_written_leaves_no_partial_file(tmp_path, monkeypatch):
     """Ctrl+C during the write (seconds for a large checkpoint) left `best.ckpt.tmp` or `last.ckpt.tmp`, as large as
     it had got, beside the run's checkpoints; where torch's zip writer failed again as it closed the archive, its
@@ -276,6 +273,7 @@ def test_ctrl_c_while_a_checkpoint_is_written_leaves_no_partial_file(tmp_path, m
         with pytest.raises(KeyboardInterrupt):
             checkpoints.SafeCheckpointIO(None).save_checkpoint({}, tmp)
         assert not tmp.exists()
+
 
 def test_full_disk_through_the_command_line_then_resume(finished, tmp_path):
     """The resumed run's first checkpoint hits a full disk: exit 2, one line, FAILED with failed_at_step, no .tmp

@@ -265,7 +265,6 @@ def test_a_full_or_locked_store_at_the_start_says_so(tmp_path, monkeypatch):
                       "it again with resume=r1")
 
 
-
 def test_a_damaged_or_unwritable_store_at_the_start_says_so(tmp_path, monkeypatch):
     """Both said "cannot use this MLflow store (...); use sqlite:///mlruns.db, ..." (the very store that failed)."""
     workdir = tmp_path / "damaged"
@@ -281,6 +280,7 @@ def test_a_damaged_or_unwritable_store_at_the_start_says_so(tmp_path, monkeypatc
     refused = _open_run_fails_with(monkeypatch, tmp_path, OSError(30, "Read-only file system", "/data/mlruns.db.lock"))
     assert refused == ("logger.tracking_uri=sqlite:///<dir>/m.db: cannot write /data/mlruns.db.lock (Read-only file "
                        "system); make its folder writable or choose another store, then run it again")
+
 
 @pytest.mark.parametrize("error, says", [
     (_store_error("database or disk is full"),

@@ -130,7 +130,7 @@ def test_sigterm_after_an_epoch_then_resume_equals_uninterrupted(tmp_path, store
     assert saved["xmc_repro"]["at"] == "epoch" and saved["global_step"] == STEPS_PER_EPOCH
 
 
-
+@pytest.mark.slow
 def test_data_loading_workers_do_not_change_what_is_trained(tmp_path, store):
     """trainer.num_workers may change on resume: a run with a worker trains what one without does. Persistent
     workers drew their base seed from the global RNG (dropout's) once per loader instead of once per epoch, so the
@@ -141,6 +141,7 @@ def test_data_loading_workers_do_not_change_what_is_trained(tmp_path, store):
         result = cli(workdir, CONFIG + ["trainer.max_epochs=2", f"trainer.num_workers={workers}"])
         assert result.returncode == 0, result.stderr[-3000:]
     _compare(without, with_worker)
+
 
 # The command line, SIGKILLed by itself right after its first epoch-end checkpoint is in place.
 KILLED_AFTER_THE_EPOCH_CHECKPOINT = """
@@ -157,6 +158,7 @@ entry.main()
 """
 
 
+@pytest.mark.slow
 def test_a_kill_right_after_an_epoch_checkpoint_loses_none_of_the_epoch_metrics(tmp_path, store):
     """Lightning logs an epoch's training metrics after the epoch-end checkpoint is written; the resumed run, which
     starts from the next epoch, logs those the killed process had not."""
@@ -188,10 +190,11 @@ def test_resume_refuses_data_files_that_changed_since_the_run_started(tmp_path, 
     workdir.joinpath("train.txt").write_text("3 5 3\n0,1 0:1.0 2:0.5\n2 1:1.0\n1 3:0.5 4:1\n")  # one value
     result = cli(workdir, [f"resume={run_id}"])
     assert result.returncode == 2, result.stderr[-3000:]
-    line = f"resume: the data read now (digest "
+    line = "resume: the data read now (digest "
     assert result.stderr.splitlines()[-1].startswith(f"error: {line}") and "Traceback" not in result.stderr
     (run,) = runs(workdir)
     assert run.info.status == "FAILED" and run.data.tags["error"].startswith(line)
+
 
 def test_resume_names_what_is_missing(tmp_path, monkeypatch):
     from xmc_repro.errors import ConfigError
@@ -324,7 +327,6 @@ def test_reopening_a_run(tmp_path, store):
         RunTracker(uri, "e", run_id="0" * 32)
 
 
-
 def test_resuming_a_deleted_run_says_how_to_restore_it(tmp_path, store):
     """It said "cannot use this MLflow store (MlflowException: The run ... must be in the 'active' state ...); use
     sqlite:///mlruns.db, ..." of the store the run is in."""
@@ -340,6 +342,7 @@ def test_resuming_a_deleted_run_says_how_to_restore_it(tmp_path, store):
                                           rf"continue it \(mlflow runs restore --run-id {failed.run_id}, with "):
         RunTracker(uri, "e", run_id=failed.run_id)
     assert failed.client.get_run(failed.run_id).info.status == "FAILED"
+
 
 def test_a_resumed_run_stays_in_its_experiment_whatever_the_experiment_name(tmp_path, store):
     """`logger` comes from the resuming command line: without the run's logger.experiment_name, the summary linked

@@ -65,7 +65,6 @@ def test_second_writer_of_a_run_is_refused(tmp_path, store, resume):
     assert run.info.status == "FAILED" and "resumed" not in run.data.tags  # the refused resume touched nothing
 
 
-
 def test_second_writer_from_another_folder_is_refused(tmp_path, store):
     """A copy of the checkpoint resumed in another folder, while the run trains here: both processes wrote the run
     (its metric history twice, steps interleaved). The tag writer_lock names the live writer's lock."""
@@ -92,6 +91,7 @@ def test_second_writer_from_another_folder_is_refused(tmp_path, store):
     assert str(lock.path.resolve()) in lines[0]
     (run,) = runs(tmp_path)
     assert "resumed" not in run.data.tags and run.data.tags["writer_lock"].endswith(str(lock.path.resolve()))
+
 
 def test_lock_is_exclusive_and_dies_with_its_process(tmp_path):
     first, second = checkpoints.RunLock(tmp_path), checkpoints.RunLock(tmp_path)
@@ -125,7 +125,7 @@ def test_run_killed_before_its_first_checkpoint_is_closed_by_resume(tmp_path, st
     (run,) = runs(tmp_path)
     assert run.info.status == "FAILED" and "before its first checkpoint" in run.data.tags["error"]
     again = cli(tmp_path, [f"resume={run_id}"])  # a second try says what the run is now
-    assert again.returncode == 2 and f"ended FAILED before its first checkpoint" in again.stderr
+    assert again.returncode == 2 and "ended FAILED before its first checkpoint" in again.stderr
 
 
 def test_resume_without_checkpoint_of_a_live_run_waits(tmp_path):
@@ -236,7 +236,6 @@ def test_a_sigterm_anywhere_in_the_run_ends_it_in_one_line_with_exit_143(tmp_pat
     assert ("test/p_at_1" in run.data.metrics) == (where == "finished")
 
 
-
 def test_a_closed_terminal_ends_the_run_as_sigterm_does(tmp_path, store):
     """SIGHUP (the terminal closed, an ssh session dropped) ended the process without a word, its run RUNNING."""
     copy_store(store, tmp_path)
@@ -252,6 +251,7 @@ def test_a_closed_terminal_ends_the_run_as_sigterm_does(tmp_path, store):
     assert process.returncode == 143 and stderr_lines(stderr)[-1] == f"error: {line}", stderr[-3000:]
     (run,) = runs(tmp_path)
     assert run.info.status == "FAILED" and run.data.tags["error"] == line
+
 
 def test_runs_of_sweep_jobs_killed_by_their_launcher_are_closed_by_the_sweep(tmp_path, store):
     """joblib kills its workers on Ctrl+C before a job can mark its run FAILED; the sweep's own process then closes

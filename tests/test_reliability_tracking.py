@@ -161,7 +161,7 @@ def test_a_sqlite_store_that_is_a_folder_is_refused_at_once(tmp_path):
     (tmp_path / "a_file").write_text("")
     for path in (tmp_path, tmp_path / "a_file" / "mlruns.db"):
         began = time.monotonic()
-        with pytest.raises(ConfigError, match=rf"^logger\.tracking_uri=sqlite:///.*: .* is a folder or lies under a "
+        with pytest.raises(ConfigError, match=r"^logger\.tracking_uri=sqlite:///.*: .* is a folder or lies under a "
                                               r"file, not a database; name a database file"):  # fmt: skip
             tracking.RunTracker(f"sqlite:///{path}", "xmc_repro")
         assert time.monotonic() - began < 5
@@ -369,7 +369,6 @@ def test_ctrl_c_ends_the_wait_for_a_locked_store_before_any_run_exists(tmp_path,
     assert runs(tmp_path) == []
 
 
-
 def test_a_store_lock_held_for_good_is_reported_after_the_retry_window(tmp_path, monkeypatch):
     """A process stopped (Ctrl+Z) while it held `mlruns.db.lock` kept every new run waiting without a word, for ever."""
     import fcntl
@@ -391,6 +390,7 @@ def test_a_store_lock_held_for_good_is_reported_after_the_retry_window(tmp_path,
     assert str(info.value) == (f"logger.tracking_uri=sqlite:///{tmp_path}/m.db: the MLflow store stayed locked by "
                                f"another process for 0 s (TimeoutError: database is locked: another process holds "
                                f"{tmp_path}/m.db.lock); let that process finish or stop it, then run it again")
+
 
 def test_resume_without_a_checkpoint_tells_a_busy_store_from_a_missing_run(tmp_path, tmp_path_factory, monkeypatch):
     """`resume=<id>` of a run with no checkpoint reads the run to close it: a locked store was taken for a store

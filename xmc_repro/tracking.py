@@ -64,6 +64,8 @@ def is_setting(key: str) -> bool:
     leaf = key.rsplit("/", 1)[-1]
     return not (key.startswith("callbacks/") or leaf in ("_target_", "_partial_")
                 or key in ("model/label", "model/description"))
+
+
 # Without this experiment tag MLflow 3's UI opens an experiment on its (empty) GenAI overview, not the runs table.
 EXPERIMENT_KIND = ("mlflow.experimentKind", "custom_model_development")
 # A tracking server that does not answer is reported within seconds, not after MLflow's default 7 retries
