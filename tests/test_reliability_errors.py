@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 
-from test_reliability_common import TINY, cli, copy_store, make_store, runs, stderr_lines, tiny_config
+from test_reliability_common import TINY, cli, copy_store, make_store, runs, start, stderr_lines, tiny_config
 from test_reliability_common import no_run_left_running  # noqa: F401  (autouse)
 
 GOOD_TRAIN = "3 5 3\n0,1 0:1.0 2:0.5\n2 1:1.0\n1 3:0.25 4:1\n"
@@ -169,6 +169,21 @@ def test_the_other_ddp_ranks_of_a_sweeps_job_record_no_outcome(tmp_path, monkeyp
     _record_outcome("ok")
     _record_outcome("failed #0 (seed=1): another rank's reason")
     assert outcomes.read_text().splitlines() == ["ok"]
+
+
+def test_a_closed_standard_output_fails_the_run_in_one_line(tmp_path, store):
+    """`python -m xmc_repro ... | head -1`: the first line after the reader stopped fails; no traceback, not even
+    from Python's flush at exit."""
+    copy_store(store, tmp_path)
+    process = start(tmp_path, TINY)
+    process.stdout.close()  # the reader stops before the run's first line
+    _, stderr = process.communicate(timeout=300)
+    assert process.returncode == 1, stderr[-2000:]
+    assert "Exception ignored" not in stderr and "Traceback" not in stderr, stderr[-2000:]
+    (line,) = [line for line in stderr_lines(stderr) if line.startswith("error:")]
+    assert line.startswith("error: its standard output was closed (piped into a program that stopped reading"), line
+    (run,) = runs(tmp_path)
+    assert run.info.status == "FAILED" and run.data.tags["error"] == line.removeprefix("error: ")
 
 
 def test_failed_job_does_not_stop_its_sweep(tmp_path, store):

@@ -8,6 +8,7 @@ the sweep ends with a one-line summary of the failed jobs and exit status 1.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import functools
 import os
@@ -109,6 +110,9 @@ def _task(cfg: DictConfig):
         job = _sweep_job()
         known = isinstance(error, UserError) or _explained(error)
         message = getattr(error, "run_failure", None) or _failure_message(error)
+        if isinstance(error, BrokenPipeError):  # nothing reads standard output: Python's flush at exit would fail too
+            with contextlib.suppress(OSError, ValueError):
+                os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         if job is None:
             if not known and not hasattr(error, "run_failure"):
                 raise  # a bug before a run opened: Hydra prints the traceback
@@ -160,7 +164,7 @@ def _failure_message(error: BaseException) -> str:
 
 def _explained(error: BaseException) -> bool:
     """Failures whose cause one line explains: bad settings or input, a non-finite loss, out of memory, another
-    DDP rank stopping, a data-loading worker killed."""
+    DDP rank stopping, a data-loading worker killed, a closed standard output."""
     import torch
 
     from xmc_repro.distributed import another_rank_stopped
@@ -168,7 +172,8 @@ def _explained(error: BaseException) -> bool:
     from xmc_repro.train import worker_died
 
     oom = getattr(torch, "OutOfMemoryError", torch.cuda.OutOfMemoryError)
-    return isinstance(error, (UserError, NonFiniteLossError, oom)) or another_rank_stopped(error) or worker_died(error)
+    explained = (UserError, NonFiniteLossError, oom, BrokenPipeError)
+    return isinstance(error, explained) or another_rank_stopped(error) or worker_died(error)
 
 
 def _rank_prefix() -> str:

@@ -93,6 +93,9 @@ def failure_message(error: BaseException, run_id: str | None = None, last_checkp
         where = f" {error.filename}" if error.filename else ""
         verb, fix = ("write", "make it writable") if error.errno == errno.EROFS else ("access", "fix its permissions")
         text = f"cannot {verb}{where} ({error.strerror}); " + then_go_on(fix)
+    elif isinstance(error, BrokenPipeError):
+        text = ("its standard output was closed (piped into a program that stopped reading, such as head); "
+                + then_go_on("write it to a file (> log.txt) or to a program that reads it all"))
     elif worker_died(error):
         text = (f"a data-loading worker process died ({short_error(error)}; killed for lack of memory, most often); "
                 + then_go_on("lower trainer.num_workers or free memory"))
