@@ -65,6 +65,7 @@ def test_second_writer_of_a_run_is_refused(tmp_path, store, resume):
     assert run.info.status == "FAILED" and "resumed" not in run.data.tags  # the refused resume touched nothing
 
 
+@pytest.mark.slow
 def test_second_writer_from_another_folder_is_refused(tmp_path, store):
     """A copy of the checkpoint resumed in another folder, while the run trains here: both processes wrote the run
     (its metric history twice, steps interleaved). The tag writer_lock names the live writer's lock."""
