@@ -130,7 +130,7 @@ def disk_full(error: BaseException) -> bool:
     """A full disk, as the OS (ENOSPC, quota) or SQLite ("database or disk is full") reports it."""
     if isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EDQUOT):
         return True
-    return "disk is full" in f"{error} {error.__cause__ or ''}"
+    return _says(error, "disk is full")
 
 
 def worker_died(error: BaseException) -> bool:
@@ -141,13 +141,18 @@ def worker_died(error: BaseException) -> bool:
 
 def damaged_store(error: BaseException) -> bool:
     """SQLite's words for a database file that is corrupted, truncated or not a database at all."""
-    text = f"{error} {error.__cause__ or ''}"
-    return "database disk image is malformed" in text or "file is not a database" in text
+    return _says(error, "database disk image is malformed", "file is not a database")
 
 
 def read_only_store(error: BaseException) -> bool:
     """SQLite's word for a database whose file was deleted or moved while open, or made read-only."""
-    return "readonly database" in f"{error} {error.__cause__ or ''}"
+    return _says(error, "readonly database")
+
+
+def _says(error: BaseException, *phrases: str) -> bool:
+    """Whether an error or its cause (MLflow wraps SQLAlchemy's, which wraps SQLite's) says one of `phrases`."""
+    text = f"{error} {error.__cause__ or ''}"
+    return any(phrase in text for phrase in phrases)
 
 
 def refused_by_the_os(error: BaseException) -> bool:
