@@ -67,9 +67,9 @@ def cli(cwd: Path, args, multirun: bool = False, timeout: float = 300, env: dict
                           timeout=timeout)
 
 
-def start(cwd: Path, args) -> subprocess.Popen:
+def start(cwd: Path, args, env: dict | None = None) -> subprocess.Popen:
     _USED.add(Path(cwd))
-    return subprocess.Popen(command(cwd, args), cwd=cwd, env=cli_env(), stdout=subprocess.PIPE,
+    return subprocess.Popen(command(cwd, args), cwd=cwd, env=cli_env(env), stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
 
 

@@ -449,3 +449,19 @@ def test_final_results_that_changed_on_resume_are_logged(tmp_path, store):
     resumed.log_metrics({"test/p_at_1": 47.0, "epochs": 10})
     resumed.finish("FINISHED")
     assert MlflowClient(uri).get_run(killed.run_id).data.metrics == {"test/p_at_1": 47.0, "epochs": 10.0}
+
+
+def test_a_resumed_cpu_run_trains_on_the_threads_it_trained_with(tmp_path, store):
+    """A sweep's `hydra.job.env_set` (the smoke scale's OMP_NUM_THREADS=1) does not reach `resume=`: the run went on
+    with the process's threads, so with other sums and another `device` tag (a report row of its own)."""
+    workdir = _workdir(tmp_path, "threads", store)
+    started = start(workdir, [*TINY, "trainer.checkpoint_every_n_steps=3"], env={"OMP_NUM_THREADS": "1"})
+    run_id = _kill_after_first_checkpoint(started, workdir, signal.SIGKILL).parent.name
+    (run,) = runs(workdir)
+    tagged = run.data.tags["device"]
+    assert tagged.endswith(", 1 threads)")
+    result = cli(workdir, [f"resume={run_id}"], env={"OMP_NUM_THREADS": "2"})
+    assert result.returncode == 0, result.stderr[-3000:]
+    (run,) = runs(workdir)
+    assert run.data.tags["device"] == tagged and run.info.status == "FINISHED"
+    assert "resume: 1 CPU thread(s) per process, as the run trained with" in result.stdout.splitlines()

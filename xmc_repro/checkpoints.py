@@ -422,6 +422,8 @@ class LastCheckpoint(Checkpoint):
             "monitor": None if monitor is None else float(monitor),
             "epochs_done": trainer.current_epoch + (0 if at == "step" else 1),  # epochs validated so far
         }
+        if pl_module.device.type == "cpu":  # a resumed CPU run trains with them too (`resume.keep_cpu_threads`)
+            checkpoint[STATE_KEY]["cpu_threads"] = torch.get_num_threads()
         if at == "epoch":  # Lightning logs the epoch's metrics after this hook: a kill in between would lose them
             step = trainer.fit_loop.epoch_loop._batches_that_stepped - 1  # the step Lightning logs them at
             logged = {key: float(value) for key, value in trainer._logger_connector.metrics["log"].items()}

@@ -17,6 +17,7 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from xmc_repro import checkpoints
 from xmc_repro.cli import STARTED_RUNS_ENV
+from xmc_repro.distributed import launch_rank
 from xmc_repro.errors import ConfigError, StorageError, left_running
 from xmc_repro.sweep_files import alive, listed_runs
 from xmc_repro.validation import implied_before
@@ -206,6 +207,21 @@ def close_interrupted(path: Path, why: str, stop_on_ctrl_c: bool = False) -> tup
     return closed, left_running(left, list(reasons))
 
 
+def keep_cpu_threads(threads: int | None) -> None:
+    """A run trained on the CPU continues on as many threads as it trained with, whatever this process was given:
+    they set the order of the kernels' sums (so the bits of what is trained), and they are part of the run's
+    `device` tag, which the report's rows are told apart by. A sweep's `hydra.job.env_set` (the smoke scale's
+    OMP_NUM_THREADS=1) does not reach a resume's command line."""
+    import torch
+
+    if not threads:
+        return
+    if threads != torch.get_num_threads() and launch_rank() == 0:
+        print(f"resume: {threads} CPU thread(s) per process, as the run trained with", flush=True)
+    os.environ["OMP_NUM_THREADS"] = str(threads)  # DDP's ranks: Lightning keeps it rather than share the cores out
+    torch.set_num_threads(threads)
+
+
 def resume_config(cfg: DictConfig, stored: DictConfig, explicit: list[str]) -> DictConfig:
     """The run's stored config, with this command line's `logger`, `resume` and any RESUMABLE_SETTINGS.
 
@@ -289,6 +305,7 @@ def prepare(cfg: DictConfig, explicit: list[str], multirun: bool) -> tuple[DictC
     path = resume_checkpoint(cfg.resume, OmegaConf.select(cfg, "logger.tracking_uri", default=None))
     saved = checkpoints.read(path)
     merged = resume_config(cfg, OmegaConf.create(saved["config"]), explicit)
+    keep_cpu_threads(saved.get("cpu_threads"))  # absent from GPU runs' and older checkpoints
     done, max_epochs = saved["completed_epochs"], OmegaConf.select(merged, "trainer.max_epochs")
     if isinstance(max_epochs, int) and max_epochs < done:  # Lightning refuses it with a traceback, mid-run
         raise ConfigError(f"resume: trainer.max_epochs={max_epochs} is below the {done} epochs the run had completed "
