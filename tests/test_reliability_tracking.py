@@ -64,6 +64,22 @@ def test_retries_give_up_after_the_deadline(monkeypatch):
         tracking.with_retries(always_locked)
 
 
+def test_a_long_wait_for_a_locked_store_is_said_once(monkeypatch, capsys):
+    clock = iter(range(0, 10_000, 4))
+    monkeypatch.setattr(tracking.time, "monotonic", lambda: float(next(clock)))
+    monkeypatch.setattr(tracking.time, "sleep", lambda seconds: None)
+    calls = []
+
+    def locked_for_a_while():
+        calls.append(1)
+        if len(calls) < 10:
+            raise sqlite3.OperationalError("database is locked")
+
+    tracking.with_retries(locked_for_a_while)
+    (line,) = capsys.readouterr().err.splitlines()
+    assert line.startswith("waiting: the MLflow store is locked by another process; retrying for up to 5")
+
+
 def test_contention_is_recognised_through_mlflow_wrapping():
     from mlflow.exceptions import MlflowException
 
@@ -369,8 +385,9 @@ def test_ctrl_c_ends_the_wait_for_a_locked_store_before_any_run_exists(tmp_path,
     assert runs(tmp_path) == []
 
 
-def test_a_store_lock_held_for_good_is_reported_after_the_retry_window(tmp_path, monkeypatch):
-    """A process stopped (Ctrl+Z) while it held `mlruns.db.lock` kept every new run waiting without a word, for ever."""
+def test_a_store_lock_held_for_good_is_reported_after_the_retry_window(tmp_path, monkeypatch, capsys):
+    """A process stopped (Ctrl+Z) while it held `mlruns.db.lock` kept every new run waiting without a word, for ever;
+    a wait longer than WAIT_NOTICE_SECONDS says so, once."""
     import fcntl
 
     from xmc_repro import train
@@ -378,6 +395,7 @@ def test_a_store_lock_held_for_good_is_reported_after_the_retry_window(tmp_path,
     from test_reliability_common import tiny_config
 
     monkeypatch.setattr(tracking, "RETRY_SECONDS", 0.5)
+    monkeypatch.setattr(tracking, "WAIT_NOTICE_SECONDS", 0.2)
     import threading
 
     held = open(tmp_path / "m.db.lock", "a")  # another open file: flock refuses this process too
@@ -390,6 +408,8 @@ def test_a_store_lock_held_for_good_is_reported_after_the_retry_window(tmp_path,
     assert str(info.value) == (f"logger.tracking_uri=sqlite:///{tmp_path}/m.db: the MLflow store stayed locked by "
                                f"another process for 0 s (TimeoutError: database is locked: another process holds "
                                f"{tmp_path}/m.db.lock); let that process finish or stop it, then run it again")
+    assert capsys.readouterr().err.splitlines() == [f"waiting: another process holds {tmp_path}/m.db.lock; retrying "
+                                                    "for up to 0 s more"]
 
 
 def test_resume_without_a_checkpoint_tells_a_busy_store_from_a_missing_run(tmp_path, tmp_path_factory, monkeypatch):

@@ -24,6 +24,7 @@ import os
 import platform
 import random
 import subprocess
+import sys
 import time
 from contextlib import contextmanager, suppress
 from pathlib import Path
@@ -48,6 +49,7 @@ RETRY_SECONDS = 600.0  # give up on a locked store after this long
 # Closing a run that failed because its store stayed locked for RETRY_SECONDS: a few more seconds, not another
 # RETRY_SECONDS on the same lock (each try may also wait out SQLite's own busy timeout, 20 s in MLflow).
 CLOSE_RETRY_SECONDS = 5.0
+WAIT_NOTICE_SECONDS = 10.0  # a wait for a locked store longer than this is said on stderr, once
 _CONTENTION = ("database is locked", "database table is locked", "database schema has changed",
                # two jobs logging the same dataset at once: the loser's retry finds the row and links to it
                "unique constraint failed: datasets.")
@@ -104,20 +106,38 @@ def with_retries(fn, *args, while_waiting=None, deadline=None, **kwargs):
     `while_waiting()`, if given, is called after each failed attempt and each wait; it may raise to give up (a Ctrl+C
     that came meanwhile: a failed attempt wrote nothing)."""
     delay = 0.05
+    began = time.monotonic()
     if deadline is None:
-        deadline = time.monotonic() + RETRY_SECONDS
+        deadline = began + RETRY_SECONDS
+    notice = _WaitNotice(began, deadline, "the MLflow store is locked by another process")
     while True:
         try:
             return fn(*args, **kwargs)
         except Exception as error:
             if not is_contention(error) or time.monotonic() > deadline:
                 raise
+            notice.say()
             if while_waiting is not None:
                 while_waiting()
             time.sleep(delay * (0.5 + _jitter.random()))
             if while_waiting is not None:
                 while_waiting()
             delay = min(2 * delay, 5.0)
+
+
+class _WaitNotice:
+    """One stderr line once a wait for a locked store has lasted WAIT_NOTICE_SECONDS: it may last minutes."""
+
+    def __init__(self, began: float, deadline: float, why: str):
+        self.began, self.deadline, self.why, self.said = began, deadline, why, False
+
+    def say(self) -> None:
+        now = time.monotonic()
+        if self.said or now - self.began < WAIT_NOTICE_SECONDS:
+            return
+        self.said = True
+        print(f"waiting: {self.why}; retrying for up to {max(self.deadline - now, 0):.0f} s more", file=sys.stderr,
+              flush=True)
 
 
 def mark_failed(client, run_id: str, message: str, deadline: float | None = None) -> None:
@@ -160,7 +180,9 @@ def store_lock(tracking_uri: str, while_waiting=None):
         return
     path.parent.mkdir(parents=True, exist_ok=True)
     lock = path.with_name(path.name + ".lock")
-    deadline = time.monotonic() + RETRY_SECONDS
+    began = time.monotonic()
+    deadline = began + RETRY_SECONDS
+    notice = _WaitNotice(began, deadline, f"another process holds {lock}")
     with open(lock, "a") as handle:
         while True:
             try:
@@ -169,6 +191,7 @@ def store_lock(tracking_uri: str, while_waiting=None):
             except BlockingIOError:
                 if time.monotonic() > deadline:  # worded as SQLite's lock, which it guards: `is_contention`
                     raise TimeoutError(f"database is locked: another process holds {lock}") from None
+                notice.say()
                 if while_waiting is not None:
                     while_waiting()
                 time.sleep(0.1)
