@@ -133,6 +133,38 @@ def test_cpu_kernels_over_batch_chunks_tiles_of_both_kinds_and_threads(threads):
     torch.testing.assert_close(grad_b, grad.sum(0))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("in_features", [70_000, 257])
+def test_cpu_weight_backward_over_groups_and_chunks_same_bits_for_any_threads(dtype, in_features):
+    """The CPU weight backward sums a chunk's rows in groups of four, skipping a label's all-zero groups, and the
+    chunks (up to 1M input values, a multiple of four rows, zero-padded) one after another: 70,000 features and
+    batch 45 make chunks of 16 rows, the last one padded; 257 features one chunk of 48. In one call: dense labels,
+    labels with a few nonzero rows (in the last, padded group too), an all-zero tile, a partial last tile. The
+    order of its sums depends on the shape only: the same bits for 1, 2 and 3 threads."""
+    batch, labels, conn = 45, 300, 5
+    x, idx, _, _ = _problem(batch, in_features, labels, conn, "cpu", dtype=dtype)
+    grad = _sparse_grad(batch, labels, 0.02, "cpu", dtype=dtype)
+    grad[:, :100] = torch.randn(batch, 100, generator=generator(2), dtype=dtype)
+    grad[:, 150:160] = 0
+    grad[44, 150:155] = 1.5  # only the last row, alone in its group
+    grad[[3, 17, 30], 155:160] = -0.5  # one row in each of three groups
+    grad[:, 192:256] = 0
+    before = torch.get_num_threads()
+    results = []
+    try:
+        for threads in (1, 2, 3):
+            torch.set_num_threads(threads)
+            results.append(OPS.backward_weight(grad, x, idx))
+    finally:
+        torch.set_num_threads(before)
+    expect_w, expect_b = ref.backward_weight(grad, x, idx)
+    torch.testing.assert_close(results[0][0], expect_w)
+    torch.testing.assert_close(results[0][1], expect_b)
+    assert (results[0][0][:, 192:256] == 0).all()
+    for grad_w, grad_b in results[1:]:
+        assert torch.equal(grad_w, results[0][0]) and torch.equal(grad_b, results[0][1])
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_autograd_matches_dense_masked_weight(device):
     batch, in_features, labels, conn = 9, 60, 130, 6
