@@ -62,6 +62,13 @@ def metrics_of(p1, p3=None, p5=None, memory=None, epochs=3.0, train_p1=None, sec
     return metrics
 
 
+def logged_scores(p1):
+    """The test P@k a finished table run logs, as MLflow metrics."""
+    from mlflow.entities import Metric
+
+    return [Metric("test/p_at_1", p1, 0, 0), Metric("test/p_at_3", 30.0, 0, 0), Metric("test/p_at_5", 20.0, 0, 0)]
+
+
 @pytest.fixture
 def store(tmp_path):
     """A records directory."""
@@ -284,7 +291,7 @@ def test_records_add_copies_finished_table_runs_of_a_store_once_and_round_trips(
         run_id = client.create_run(experiment, run_name=name).info.run_id
         tags = {"table": table, "scale": "smoke", "device": H200, "mlflow.user": "someone",
                 "git_commit": "0123456789ab-dirty"}  # run with uncommitted changes: counted and named
-        client.log_batch(run_id, metrics=[Metric("test/p_at_1", 50.5, 0, 0), Metric("peak_gpu_memory_gib", 0.01, 0, 0)],
+        client.log_batch(run_id, metrics=[*logged_scores(50.5), Metric("peak_gpu_memory_gib", 0.01, 0, 0)],
                          params=[Param(k, v) for k, v in params_of(BIBTEX, "uniform", 32, 256).items()],
                          tags=[RunTag(k, v) for k, v in tags.items() if v])  # fmt: skip
         client.set_terminated(run_id, status)
@@ -980,7 +987,7 @@ def _report(args, cwd, size=None):
 def test_records_add_on_a_full_disk_leaves_no_half_record_and_says_so_in_one_line(tmp_path, empty_store):
     """A write that failed left a 0-byte <id>.json (export then told to `git checkout` a file never committed), and
     an updated record truncated in place."""
-    from mlflow.entities import Metric, Param, RunTag
+    from mlflow.entities import Param, RunTag
     from mlflow.tracking import MlflowClient
 
     shutil.copy(empty_store, tmp_path / "gpu.db")
@@ -990,7 +997,7 @@ def test_records_add_on_a_full_disk_leaves_no_half_record_and_says_so_in_one_lin
     ids = []
     for p1 in (50.5, 40.5):
         run_id = client.create_run(experiment, run_name="ok").info.run_id
-        client.log_batch(run_id, metrics=[Metric("test/p_at_1", p1, 0, 0)],
+        client.log_batch(run_id, metrics=logged_scores(p1),
                          params=[Param(k, v) for k, v in params_of(BIBTEX, "uniform", 32, 256).items()],
                          tags=[RunTag("table", "table1"), RunTag("scale", "smoke")])  # fmt: skip
         client.set_terminated(run_id, "FINISHED")
@@ -1080,6 +1087,8 @@ def _table_record(**changes) -> dict:
     (lambda r: r["metrics"].update({"time_per_epoch_s": 1.7976931348623157e308}), "metric time_per_epoch_s is "
      "1.7976931348623157e+308 (infinite, as MLflow stores it), not a finite number"),
     (lambda r: r.update(metrics={}), "no metrics: a finished table run has its test scores"),
+    (lambda r: r["metrics"].pop("test/p_at_5"), "metric test/p_at_5 is missing: a finished table run has its "
+                                                "test scores"),
     (lambda r: r.update(start_time=20260102), '"start_time" is 20260102, not a string'),
     (lambda r: r.update(status="finished"), "status is 'finished', not one of RUNNING, SCHEDULED, FINISHED, FAILED, "
                                             "KILLED"),
@@ -1123,7 +1132,7 @@ def test_records_add_leaves_a_run_with_a_nan_metric_in_its_store_and_names_it(tm
     experiment = client.get_experiment_by_name("xmc_repro").experiment_id
     for p1 in (50.5, math.nan):
         run_id = client.create_run(experiment).info.run_id
-        client.log_batch(run_id, metrics=[Metric("test/p_at_1", p1, 0, 0)],
+        client.log_batch(run_id, metrics=logged_scores(p1),
                          params=[Param(k, v) for k, v in params_of(BIBTEX, "dense").items()],
                          tags=[RunTag("table", "table1")])  # fmt: skip
         client.set_terminated(run_id, "FINISHED")
@@ -1143,6 +1152,35 @@ def test_records_add_leaves_a_run_with_a_nan_metric_in_its_store_and_names_it(tm
         f"run {infinite}: metric time_per_epoch_s is 1.7976931348623157e+308 (infinite, as MLflow stores it), not a "
         "finite number"]  # fmt: skip
     assert len(records.load(directory)) == 1
+
+
+def test_records_add_leaves_a_finished_run_without_a_test_score_in_its_store(tmp_path, empty_store, capsys):
+    """A run with train metrics but no test/p_at_1 was copied: its seed was listed in the row, whose test P@1 was the
+    mean of the other seeds only."""
+    from mlflow.entities import Metric, Param, RunTag
+    from mlflow.tracking import MlflowClient
+
+    from xmc_repro.report.__main__ import main
+
+    shutil.copy(empty_store, tmp_path / "gpu.db")
+    uri = f"sqlite:///{tmp_path / 'gpu.db'}"
+    client = MlflowClient(uri)
+    experiment = client.get_experiment_by_name("xmc_repro").experiment_id
+    for seed in (0, 1):
+        run_id = client.create_run(experiment).info.run_id
+        scores = logged_scores(50.5)[seed:]  # seed 1: P@3 and P@5 only
+        client.log_batch(run_id, metrics=[*scores, Metric("train/p_at_1", 60.0, 0, 0)],
+                         params=[Param(k, v) for k, v in params_of(BIBTEX, "dense", seed=seed).items()],
+                         tags=[RunTag("table", "table1")])  # fmt: skip
+        client.set_terminated(run_id, "FINISHED")
+    directory = tmp_path / "records"
+    directory.mkdir()
+    assert main(["records", "add", uri, "--dir", str(directory)]) == 0
+    assert capsys.readouterr().out.strip().endswith(
+        f"1 new, 0 updated, 0 unchanged records from {uri}; left out 1 runs: 1 unusable as records (run {run_id}: "
+        "metric test/p_at_1 is missing: a finished table run has its test scores)")
+    (row,) = export(tmp_path / "runs.csv", directory)
+    assert (row["seeds"], row["test_p1"]) == ("0", "50.5")
 
 
 def test_hidden_files_are_no_records_and_a_duplicate_is_told_to_go(tmp_path):

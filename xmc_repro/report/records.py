@@ -107,11 +107,15 @@ def load(directory: Path = RECORDS_DIR) -> list[dict]:
 STATUSES = ("RUNNING", "SCHEDULED", "FINISHED", "FAILED", "KILLED")  # MLflow's RunStatus
 # Params a run the export counts must name: its configuration's columns (`identity.configuration`) would be blank.
 NEEDED_PARAMS = ("model/head", "dataset/name", "dataset/features", "loss/name")
+# Scores it must have (every run tests P@1, P@3 and P@5 together): without one, its seed would be listed in a row
+# whose test P@k is the mean of the other seeds only.
+NEEDED_METRICS = ("test/p_at_1", "test/p_at_3", "test/p_at_5")
 
 
 def malformed(record: dict) -> str | None:
     """What is wrong with a record's fields, as `record_of_run` writes them; None when nothing is. A record the
-    export counts (FINISHED, with a `table` tag) must also have metrics and the params that name its configuration."""
+    export counts (FINISHED, with a `table` tag) must also have its test P@k and the params that name its
+    configuration. The one check of what a record needs: `load` (the export) and `add_from_store` both apply it."""
     from xmc_repro.report.state import param
 
     for key in ("params", "metrics", "tags"):
@@ -143,6 +147,9 @@ def malformed(record: dict) -> str | None:
         return f"param {absent[0]} is {state}: it names the run's configuration"
     if not record["metrics"]:
         return "no metrics: a finished table run has its test scores"
+    absent = [key for key in NEEDED_METRICS if key not in record["metrics"]]
+    if absent:
+        return f"metric {absent[0]} is missing: a finished table run has its test scores"
     return None
 
 
@@ -184,8 +191,8 @@ def table_runs(uri: str) -> tuple[list, dict[str, int]]:
 def add_from_store(uri: str | None = None, directory: Path = RECORDS_DIR) -> dict:
     """Copy the FINISHED table runs of the store at `uri` into records. Returns the counts of new, updated and
     unchanged records, under `skipped` those of the runs left out (see `table_runs`; `unusable`: runs whose record
-    `malformed` refuses, e.g. a NaN metric, each with its problem under `unusable`), and under `uncommitted` how
-    many copied runs ran code that was no commit (`git_commit` ending in "-dirty")."""
+    `malformed` refuses, e.g. a NaN metric or no test P@1, each with its problem under `unusable`), and under
+    `uncommitted` how many copied runs ran code that was no commit (`git_commit` ending in "-dirty")."""
     uri = tracking_uri(uri)
     _check_store(uri)
     try:
