@@ -785,12 +785,38 @@ def test_a_missing_records_folder_or_an_unreadable_store_is_one_line(tmp_path, c
     assert main(["export", "--records", str(tmp_path / "typo"), "--out", str(tmp_path / "runs.csv")]) == 2
     assert not (tmp_path / "runs.csv").exists()
     (tmp_path / "folder").mkdir()
+    (tmp_path / "records").mkdir()
     for store in (str(tmp_path / "folder"), "bogus://x"):
         assert main(["records", "add", store, "--dir", str(tmp_path / "records")]) == 2
     errors = capsys.readouterr().err.strip().splitlines()
     assert len(errors) == 3 and errors[0] == f"error: {tmp_path / 'typo'}: no such folder of run records; give " \
         "--records results/records"
     assert all(line.startswith("error: ") and "cannot read runs from this MLflow store" in line for line in errors[1:])
+
+
+def test_records_add_into_a_folder_that_does_not_exist_is_refused_in_one_line(tmp_path, empty_store, capsys):
+    """A mistyped --dir started a new folder and wrote the store's records there, where no export reads them."""
+    from mlflow.entities import Param, RunTag
+    from mlflow.tracking import MlflowClient
+
+    from xmc_repro.report.__main__ import main
+
+    shutil.copy(empty_store, tmp_path / "gpu.db")
+    uri = f"sqlite:///{tmp_path / 'gpu.db'}"
+    client = MlflowClient(uri)
+    run_id = client.create_run(client.get_experiment_by_name("xmc_repro").experiment_id).info.run_id
+    client.log_batch(run_id, metrics=logged_scores(50.5), tags=[RunTag("table", "table1")],
+                     params=[Param(k, v) for k, v in params_of(BIBTEX, "dense").items()])  # fmt: skip
+    client.set_terminated(run_id, "FINISHED")
+    (tmp_path / "results" / "records").mkdir(parents=True)
+    typo = tmp_path / "results" / "recods"
+    assert main(["records", "add", uri, "--dir", str(typo)]) == 2
+    assert capsys.readouterr().err == (f"error: {typo}: no such folder of run records; give the existing one (e.g. "
+                                       f"--dir results/records) or, for a new one, create it first (mkdir -p {typo})\n")
+    assert not typo.exists()
+    typo.mkdir()  # made on purpose: a folder of records like any other
+    assert main(["records", "add", uri, "--dir", str(typo)]) == 0
+    assert [r["run_id"] for r in records.load(typo)] == [run_id]
 
 
 def test_smoke_refuses_a_store_its_jobs_cannot_write_before_any_job_starts(tmp_path):

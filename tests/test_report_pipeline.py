@@ -46,6 +46,7 @@ def store(tmp_path_factory):
             client.set_tag(crashed, key, value)
     client.log_metric(crashed, "test/p_at_1", 99.0)
     client.set_terminated(crashed, "FAILED")
+    (tmp / "records").mkdir()
     assert report_main(["records", "add", uri, "--dir", str(tmp / "records")]) == 0
     return tmp, uri, runs
 

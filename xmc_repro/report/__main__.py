@@ -8,6 +8,7 @@ into records, `grid` lists the presets' configurations. The stages of dvc.yaml (
 from __future__ import annotations
 
 import argparse
+import shlex
 import sys
 from pathlib import Path
 
@@ -29,7 +30,9 @@ def parser() -> argparse.ArgumentParser:
     records_commands = records.add_subparsers(dest="action", required=True)
     add = records_commands.add_parser("add", help="copy the finished table runs of an MLflow store into records")
     add.add_argument("tracking_uri", nargs="?", help="default: $MLFLOW_TRACKING_URI or sqlite:///mlruns.db")
-    add.add_argument("--dir", type=Path, default=RESULTS / "records")
+    add.add_argument("--dir", type=Path, default=RESULTS / "records",
+                     help="an existing folder of records (default: results/records); create a new one first "
+                          "(mkdir), so that a mistyped path writes nothing")  # fmt: skip
     export = commands.add_parser("export", help="records -> runs.csv (one row per configuration and machine)")
     export.add_argument("--records", type=Path, default=RESULTS / "records")
     export.add_argument("--out", type=Path, default=RESULTS / "runs.csv")
@@ -74,9 +77,7 @@ def run(args) -> None:
         from xmc_repro.errors import DataError
         from xmc_repro.report.records import add_from_store, skipped_line, tracking_uri, uncommitted_line
 
-        if args.dir == RESULTS / "records" and not args.dir.is_dir():  # the default, outside the project's root
-            raise DataError(f"{args.dir.resolve()}: no records folder here; run from the project's root or give "
-                            "--dir PATH/results/records")
+        _check_records_dir(args.dir)
         counts = add_from_store(args.tracking_uri, args.dir)
         print(f"{args.dir}: {counts['new']} new, {counts['updated']} updated, {counts['unchanged']} unchanged "
               f"records from {tracking_uri(args.tracking_uri)}{skipped_line(counts['skipped'], counts['unusable'])}"
@@ -101,6 +102,20 @@ def run(args) -> None:
 
         verdicts = write_claims(read_runs_csv(args.runs), args.out)
         print(f"{args.out}: " + ", ".join(f"{claim} {verdict}" for claim, verdict in verdicts.items()))
+
+
+def _check_records_dir(directory: Path) -> None:
+    """`records add` writes into an existing folder only: the default one outside the project's root, or a mistyped
+    --dir, would otherwise start a folder of records that no export reads."""
+    from xmc_repro.errors import DataError
+
+    if directory.is_dir():
+        return
+    if directory == RESULTS / "records":
+        raise DataError(f"{directory.resolve()}: no records folder here; run from the project's root or give "
+                        "--dir PATH/results/records")
+    raise DataError(f"{directory}: no such folder of run records; give the existing one (e.g. --dir results/records) "
+                    f"or, for a new one, create it first (mkdir -p {shlex.quote(str(directory))})")
 
 
 def _published(path: Path | None) -> list[dict]:
