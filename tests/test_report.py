@@ -340,6 +340,27 @@ def test_a_runs_csv_migrates_into_records_that_export_it_back_unchanged(store, t
     assert averaged["source"] == "migrated from old.csv"
 
 
+@pytest.mark.parametrize("column, value, problem", [
+    ("test_p1", "", "metric test/p_at_1 is missing: a finished table run has its test scores"),
+    ("test_p3", "nan", "metric test/p_at_3 is nan, not a finite number"),
+    ("dataset", "", "param dataset/name is null: it names the run's configuration"),
+])  # fmt: skip
+def test_a_malformed_runs_csv_row_stops_the_migration_before_any_record(store, tmp_path, column, value, problem):
+    """Migrated records were saved unchecked: a row without its test P@1 became a record that `records add` would
+    have refused, and the export then failed on it (or a NaN went into runs.csv)."""
+    from xmc_repro.report.migrate import migrate
+
+    log_run(store, params_of(BIBTEX, "dense"), metrics_of(60.0))
+    log_run(store, params_of(SMOKE_AMAZON_SLICE, "uniform", 32, 256), metrics_of(30.0))
+    rows = export(tmp_path / "old.csv", store)
+    rows[1][column] = value
+    write_runs_csv(rows, tmp_path / "old.csv")
+    with pytest.raises(records.DataError, match=re.escape(
+            f"{tmp_path / 'old.csv'}:3: {problem}; fix or remove that row, then migrate again")):  # fmt: skip
+        migrate(tmp_path / "old.csv", records.PROJECT_ROOT / "conf", tmp_path / "migrated")
+    assert not (tmp_path / "migrated").exists()  # not even the sound first row
+
+
 # ---------------------------------------------------------------------------------------------------- identity
 
 

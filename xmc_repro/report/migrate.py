@@ -4,7 +4,9 @@ The MLflow store behind such a file may be gone (the NVIDIA H200 runs of the com
 results/runs.csv), so each row becomes a record that keeps its run id and says where it came from: params are
 rebuilt from the row's configuration columns under their Hydra keys (plus the dataset's shape from conf/dataset),
 metrics from its metric columns, tags from its provenance columns. A row that averaged several seeds keeps their
-run ids, seeds and spread under `aggregate`: its metrics are that mean, not one run's values.
+run ids, seeds and spread under `aggregate`: its metrics are that mean, not one run's values. Each record is checked
+as `records add` checks a run's (`records.malformed`); one row that fails stops the migration before any record is
+written.
 """
 
 from __future__ import annotations
@@ -14,8 +16,9 @@ from pathlib import Path
 
 import yaml
 
+from xmc_repro.errors import DataError
 from xmc_repro.report.export import METRICS
-from xmc_repro.report.records import RECORDS_DIR, save
+from xmc_repro.report.records import RECORDS_DIR, malformed, save
 
 PARAM_KEYS = {  # runs.csv configuration column -> the Hydra key it came from
     "dataset": "dataset/name",
@@ -74,10 +77,28 @@ def record_of_row(row: dict[str, str], shapes: dict, origin: str) -> dict:
     return record
 
 
-def migrate(runs_csv: Path, conf_dir: Path, directory: Path = RECORDS_DIR, origin: str = "") -> dict[str, int]:
-    shapes = dataset_shapes(conf_dir)
-    counts = {"new": 0, "updated": 0, "unchanged": 0}
+def checked_records(runs_csv: Path, shapes: dict, origin: str) -> list[dict]:
+    """The record of every row of `runs_csv`; a DataError naming the first row whose record the export would refuse
+    (e.g. no test P@1, a blank dataset, a NaN)."""
+    migrated = []
     with open(runs_csv, newline="") as f:
-        for row in csv.DictReader(f):
-            counts[save(record_of_row(row, shapes, origin or str(runs_csv)), directory)] += 1
+        reader = csv.DictReader(f)
+        for row in reader:
+            try:
+                record = record_of_row(row, shapes, origin)
+                problem = malformed(record)
+            except ValueError as error:  # a metric column that holds no number
+                problem = str(error)
+            if problem:
+                raise DataError(f"{runs_csv}:{reader.line_num}: {problem}; fix or remove that row, then migrate again")
+            migrated.append(record)
+    return migrated
+
+
+def migrate(runs_csv: Path, conf_dir: Path, directory: Path = RECORDS_DIR, origin: str = "") -> dict[str, int]:
+    """Write the records of the rows of `runs_csv` into `directory`, once every row's record is sound."""
+    migrated = checked_records(runs_csv, dataset_shapes(conf_dir), origin or str(runs_csv))
+    counts = {"new": 0, "updated": 0, "unchanged": 0}
+    for record in migrated:
+        counts[save(record, directory)] += 1
     return counts
