@@ -286,6 +286,30 @@ def test_runs_of_sweep_jobs_killed_by_their_launcher_are_closed_by_the_sweep(tmp
     alive.finish("FAILED", "closed by its job")
 
 
+def test_closing_a_sweeps_runs_passes_over_deleted_runs_only(tmp_path, store, monkeypatch):
+    """MLflow's INVALID_PARAMETER_VALUE, its answer to a write to a deleted run, was read as "deleted meanwhile"
+    whatever it refused: a live run whose closing the store refused (here a reason longer than MLflow keeps, with
+    MLFLOW_TRUNCATE_LONG_VALUES=false) stayed RUNNING and nothing said so."""
+    from mlflow.tracking import MlflowClient
+
+    from xmc_repro.resume import close_interrupted
+    from xmc_repro.tracking import RunTracker
+
+    copy_store(store, tmp_path)
+    uri = f"sqlite:///{tmp_path / 'mlruns.db'}"
+    deleted, refused = RunTracker(uri, "e"), RunTracker(uri, "e")
+    client = MlflowClient(uri)
+    client.delete_run(deleted.run_id)
+    listed = tmp_path / "runs.txt"
+    listed.write_text("".join(f"{run.run_id}\t{uri}\t{tmp_path / run.run_id}\n" for run in (deleted, refused)))
+    monkeypatch.setenv("MLFLOW_TRUNCATE_LONG_VALUES", "false")
+    closed, unclosed = close_interrupted(listed, "x" * 8000)
+    assert closed == [] and unclosed.startswith(f"the MLflow run {refused.run_id} could not be marked FAILED "
+                                                "(MlflowException: 'value' exceeds the maximum length of 8000")
+    assert client.get_run(deleted.run_id).info.lifecycle_stage == "deleted"  # passed over, as before
+    refused.finish("FAILED", "closed by the test")
+
+
 @pytest.mark.parametrize("store_is", ["locked", "left by a second ctrl_c"])
 def test_closing_a_sweeps_runs_takes_seconds_and_names_those_left_running(tmp_path, store, monkeypatch, store_is):
     """On a locked store each run was retried for the whole retry window (10 minutes): Ctrl+C on a sweep hung that

@@ -116,14 +116,14 @@ def _stored_run(tracking_uri: str, run_id: str):
     from mlflow.exceptions import MlflowException
     from mlflow.tracking import MlflowClient
 
-    from xmc_repro.tracking import NO_SUCH_RUN, short_error, with_retries
+    from xmc_repro.tracking import no_such_run, short_error, with_retries
 
     client = None
     try:
         client = with_retries(MlflowClient, tracking_uri)
         return client, with_retries(client.get_run, run_id)
     except MlflowException as error:
-        if error.error_code in NO_SUCH_RUN:
+        if no_such_run(error, run_id):
             return client, None
         reason = short_error(error)
     except Exception as error:
@@ -169,7 +169,7 @@ def close_interrupted(path: Path, why: str, stop_on_ctrl_c: bool = False) -> tup
     from mlflow.tracking import MlflowClient
 
     from xmc_repro import tracking
-    from xmc_repro.tracking import NO_SUCH_RUN, is_contention, mark_failed, short_error, with_retries
+    from xmc_repro.tracking import is_contention, mark_failed, no_such_run, short_error, with_retries
 
     deadline = time.monotonic() + tracking.CLOSE_RETRY_SECONDS
     clients, locked, reasons = {}, set(), {}  # per store: its client; stores given up on; why runs stay open
@@ -184,8 +184,9 @@ def close_interrupted(path: Path, why: str, stop_on_ctrl_c: bool = False) -> tup
             if uri not in clients:
                 clients[uri] = with_retries(MlflowClient, uri, deadline=deadline)
             client = clients[uri]
-            if with_retries(client.get_run, run_id, deadline=deadline).info.status != "RUNNING":
-                continue
+            run = with_retries(client.get_run, run_id, deadline=deadline)
+            if run.info.status != "RUNNING" or run.info.lifecycle_stage == "deleted":  # MLflow refuses every write
+                continue  # to a deleted run, which no runs table shows
             kept = (Path(run_dir) / checkpoints.LAST).is_file()
             message = f"interrupted ({why}); " + (f"continue it with resume={run_id}" if kept else "no checkpoint yet")
             mark_failed(client, run_id, message, deadline)
@@ -196,8 +197,8 @@ def close_interrupted(path: Path, why: str, stop_on_ctrl_c: bool = False) -> tup
             left += [other for other, _, folder in listed[index:] if not checkpoints.RunLock(Path(folder)).is_held()]
             break
         except Exception as error:  # the store is gone, full or locked: `resume=<id>` closes the run later
-            if getattr(error, "error_code", None) in NO_SUCH_RUN:
-                continue  # deleted meanwhile: nothing shows RUNNING
+            if no_such_run(error, run_id):
+                continue  # gone from the store meanwhile: nothing shows RUNNING
             if is_contention(error):
                 locked.add(uri)
             reasons[short_error(error)[:200]] = None

@@ -23,6 +23,7 @@ import logging
 import os
 import platform
 import random
+import re
 import subprocess
 import sys
 import time
@@ -83,7 +84,16 @@ def is_contention(error: BaseException) -> bool:
     return any(marker in text for marker in _CONTENTION)
 
 
-NO_SUCH_RUN = ("RESOURCE_DOES_NOT_EXIST", "INVALID_PARAMETER_VALUE")  # MLflow's codes for an id a store has no run of
+# MLflow's run ids (mlflow.utils.validation._RUN_ID_REGEX): a store refuses any other id as INVALID_PARAMETER_VALUE.
+RUN_ID = re.compile(r"[a-zA-Z0-9][\w\-]{0,255}")
+
+
+def no_such_run(error: BaseException, run_id: str) -> bool:
+    """Whether an MLflow error says the store holds no run `run_id`. A store answers RESOURCE_DOES_NOT_EXIST for an
+    id it has no run of, INVALID_PARAMETER_VALUE for one that cannot be a run id; the latter code is also its answer
+    to other refused requests (a write to a deleted run, a value too long), so for a run id it means nothing here."""
+    code = getattr(error, "error_code", None)
+    return code == "RESOURCE_DOES_NOT_EXIST" or (code == "INVALID_PARAMETER_VALUE" and not RUN_ID.fullmatch(run_id))
 
 
 def short_error(error: BaseException) -> str:
@@ -370,7 +380,7 @@ class RunTracker:
         try:
             run = with_retries(self.client.get_run, run_id, while_waiting=raise_pending)
         except MlflowException as error:
-            if error.error_code not in NO_SUCH_RUN:  # e.g. a store still locked: not a wrong store
+            if not no_such_run(error, run_id):  # e.g. a store still locked: not a wrong store
                 raise
             raise ConfigError(
                 f"resume: MLflow run {run_id} is not in {self.tracking_uri}; set logger.tracking_uri "
