@@ -36,10 +36,8 @@ void check_index_range(bool in_range, const at::Tensor& indices, int64_t in_feat
 // The forward reads all indices and weights once per chunk: its chunks hold up to 1M values (4 MiB);
 // with 64K (8 chunks at 16,384 inputs, batch 32) it took 2.3x as long. The weight backward's chunks hold up to 1M
 // values too, rounded up to a multiple of kGroup rows: it skips a label's all-zero groups of kGroup rows within a
-// chunk (squared hinge), so small chunks gain nothing there. With a dense gradient (BCE) at 670,091 labels, 16,384
-// inputs, batch 32, 1 thread, its earlier 64K chunks (rows of 4 values: 8 gathers of a quarter cache line per
-// label and connection) and scalar sums took 717 ms, 1M chunks 440 ms, 1M chunks and the groups' vector sums 315 ms
-// (medians of 5, interleaved runs on a loaded 2-core machine).
+// chunk (squared hinge), so small chunks gain nothing there, and a dense gradient (BCE) reads whole rows of a chunk
+// (with 64K chunks, rows of 4 values: a quarter cache line per gather; results/bench/cpu-full-uniform-*.md).
 // The input backward's chunks size each task's accumulator: up to 1M values (4 MiB in float32).
 constexpr int64_t kForwardChunkValues = 1024 * 1024, kWeightChunkValues = 1024 * 1024, kInputChunkValues = 1024 * 1024;
 constexpr int64_t kGroup = 4;  // the weight backward's rows per group (see there); its chunks are a multiple of it
@@ -191,8 +189,7 @@ bool backward_input_cpu_kernel(const T* g, const int32_t* idx, const T* w, T* gx
 // column is all zero gets zeros without loading any index or input, and a tile whose gradient is all zero loads
 // none of its indices. Otherwise the tile's indices are copied first, a connection's row at a time: they miss the
 // caches (each is read once), and loads one after another keep many misses in flight, where a label's connections
-// one by one (a row of indices apart, each waited for before its gather) took 42 % of the kernel's time
-// (perf: dense gradient, 670,091 labels, 256 inputs, batch 32).
+// one by one (a row of indices apart) were each a miss waited for before its gather.
 // A chunk's rows go in groups of kGroup (chunks are a multiple of kGroup rows, zero-padded): a label's all-zero
 // groups are skipped (squared hinge), the others summed in kGroup lanes, one vector register, so a dense gradient
 // (BCE) is one multiply-add per group over a contiguous row of xc; the lanes are added pairwise at the end of the
