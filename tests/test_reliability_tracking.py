@@ -437,6 +437,25 @@ def test_resume_without_a_checkpoint_tells_a_busy_store_from_a_missing_run(tmp_p
         close_orphan(uri, "0123456789abcdef", run_dir)
 
 
+def test_resume_of_a_deleted_run_without_a_checkpoint_says_it_was_deleted(tmp_path, tmp_path_factory, monkeypatch):
+    """A RUNNING run deleted in MLflow cannot be marked FAILED (MLflow refuses every write to it): `resume=<id>`
+    said "marking it FAILED failed (... must be in the 'active' state ...)"."""
+    from mlflow.tracking import MlflowClient
+
+    from xmc_repro import resume
+
+    copy_store(make_store(tmp_path_factory.getbasetemp() / "store"), tmp_path)
+    uri = f"sqlite:///{tmp_path / 'mlruns.db'}"
+    run_id = tracking.RunTracker(uri, "xmc_repro").run_id  # then killed: RUNNING
+    MlflowClient(uri).delete_run(run_id)
+    monkeypatch.chdir(tmp_path)
+    said = f"run {run_id} has no checkpoint and was deleted in MLflow; nothing to resume: start a new run"
+    assert resume.close_unstarted(uri, run_id) == said  # no folder: killed before it had one
+    run_dir = tmp_path / "checkpoints" / run_id
+    run_dir.mkdir(parents=True)
+    assert resume.close_orphan(uri, run_id, run_dir) == said
+
+
 def test_a_reopen_that_fails_after_its_status_write_puts_the_status_back(tmp_path, tmp_path_factory, monkeypatch):
     """Reopening writes RUNNING first; a store that then failed left a FAILED run RUNNING, which no tracker closes."""
     from mlflow.tracking import MlflowClient

@@ -80,6 +80,8 @@ def close_orphan(tracking_uri: str, run_id: str, run_dir: Path) -> str:
     if run is None:
         return (f"no checkpoint in {run_dir} and no MLflow run {run_id} in {tracking_uri}; set logger.tracking_uri "
                 "to the store the run was started with, or start a new run")
+    if run.info.lifecycle_stage == "deleted":
+        return _deleted(run_id)
     status = run.info.status
     if status == "RUNNING":
         return _mark_failed(client, run_id)
@@ -101,6 +103,8 @@ def close_unstarted(tracking_uri: str, run_id: str) -> str | None:
     client, run = _stored_run(tracking_uri, run_id)
     if run is None:
         return None
+    if run.info.lifecycle_stage == "deleted":
+        return _deleted(run_id)
     pid, _, place = run.data.tags.get(STARTED_BY, "").partition("@")
     if run.info.status != "RUNNING" or not pid.isdigit() or place != started_by().partition("@")[2]:
         return None
@@ -130,6 +134,11 @@ def _stored_run(tracking_uri: str, run_id: str):
         reason = short_error(error)
     raise StorageError(f"resume={run_id}: cannot read the run from the MLflow store {tracking_uri} ({reason}); "
                        "once the store can be read, resume again")
+
+
+def _deleted(run_id: str) -> str:
+    """A run without a checkpoint that was deleted in MLflow: nothing to continue, and MLflow refuses to close it."""
+    return f"run {run_id} has no checkpoint and was deleted in MLflow; nothing to resume: start a new run"
 
 
 def _mark_failed(client, run_id: str) -> str:
