@@ -344,6 +344,7 @@ def test_a_runs_csv_migrates_into_records_that_export_it_back_unchanged(store, t
     ("test_p1", "", "metric test/p_at_1 is missing: a finished table run has its test scores"),
     ("test_p3", "nan", "metric test/p_at_3 is nan, not a finite number"),
     ("dataset", "", "param dataset/name is null: it names the run's configuration"),
+    ("run_ids", "", "no run id in column run_ids: a record is its run's"),
 ])  # fmt: skip
 def test_a_malformed_runs_csv_row_stops_the_migration_before_any_record(store, tmp_path, column, value, problem):
     """Migrated records were saved unchecked: a row without its test P@1 became a record that `records add` would
@@ -359,6 +360,26 @@ def test_a_malformed_runs_csv_row_stops_the_migration_before_any_record(store, t
             f"{tmp_path / 'old.csv'}:3: {problem}; fix or remove that row, then migrate again")):  # fmt: skip
         migrate(tmp_path / "old.csv", records.PROJECT_ROOT / "conf", tmp_path / "migrated")
     assert not (tmp_path / "migrated").exists()  # not even the sound first row
+
+
+def test_a_runs_csv_without_a_column_or_with_a_short_row_is_refused_in_one_line(store, tmp_path):
+    from xmc_repro.report.migrate import migrate
+
+    log_run(store, params_of(BIBTEX, "dense"), metrics_of(60.0))
+    export(tmp_path / "old.csv", store)
+    lines = (tmp_path / "old.csv").read_text().splitlines()
+    header = lines[0].split(",")
+    short = tmp_path / "short.csv"
+    short.write_text("\n".join([lines[0], ",".join(lines[1].split(",")[:5])]) + "\n")
+    with pytest.raises(records.DataError, match=re.escape(
+            f"{short}:2: 5 fields against the header's {len(header)}; fix or remove that row")):  # fmt: skip
+        migrate(short, records.PROJECT_ROOT / "conf", tmp_path / "migrated")
+    narrow = tmp_path / "narrow.csv"
+    keep = [i for i, name in enumerate(header) if name != "seeds"]
+    narrow.write_text("".join(",".join(line.split(",")[i] for i in keep) + "\n" for line in lines[:2]))
+    with pytest.raises(records.DataError, match=re.escape(f"{narrow}: no column seeds; give a runs.csv written by")):
+        migrate(narrow, records.PROJECT_ROOT / "conf", tmp_path / "migrated")
+    assert not (tmp_path / "migrated").exists()
 
 
 # ---------------------------------------------------------------------------------------------------- identity

@@ -54,6 +54,8 @@ def record_of_row(row: dict[str, str], shapes: dict, origin: str) -> dict:
     for key, value in shapes.get(row["dataset"], {}).items():
         params[f"dataset/{key}"] = value
     run_ids = [i for i in row["run_ids"].split(";") if i]
+    if not run_ids:
+        raise ValueError("no run id in column run_ids: a record is its run's")
     record = {
         "run_id": run_ids[0],
         "run_name": "",
@@ -83,11 +85,19 @@ def checked_records(runs_csv: Path, shapes: dict, origin: str) -> list[dict]:
     migrated = []
     with open(runs_csv, newline="") as f:
         reader = csv.DictReader(f)
+        absent = [column for column in (*PARAM_KEYS, "seeds", "run_ids", "last_end_time")
+                  if column not in (reader.fieldnames or ())]
+        if absent:
+            raise DataError(f"{runs_csv}: no column {absent[0]}; give a runs.csv written by the export")
         for row in reader:
+            if None in row or None in row.values():  # csv's marks of a row longer or shorter than the header
+                fields = len(row.get(None, ())) + sum(value is not None for key, value in row.items() if key)
+                raise DataError(f"{runs_csv}:{reader.line_num}: {fields} fields against the header's "
+                                f"{len(reader.fieldnames)}; fix or remove that row, then migrate again")
             try:
                 record = record_of_row(row, shapes, origin)
                 problem = malformed(record)
-            except ValueError as error:  # a metric column that holds no number
+            except ValueError as error:  # a metric column that holds no number, no run id
                 problem = str(error)
             if problem:
                 raise DataError(f"{runs_csv}:{reader.line_num}: {problem}; fix or remove that row, then migrate again")
