@@ -69,6 +69,18 @@ def logged_scores(p1):
     return [Metric("test/p_at_1", p1, 0, 0), Metric("test/p_at_3", 30.0, 0, 0), Metric("test/p_at_5", 20.0, 0, 0)]
 
 
+def finished_table_run(client, metrics, seed: int = 0) -> str:
+    """A FINISHED Bibtex dense run of table1 with `metrics` (MLflow Metrics), logged through `client`; its id."""
+    from mlflow.entities import Param, RunTag
+
+    experiment = client.get_experiment_by_name("xmc_repro").experiment_id
+    run_id = client.create_run(experiment).info.run_id
+    params = [Param(k, v) for k, v in params_of(BIBTEX, "dense", seed=seed).items()]
+    client.log_batch(run_id, metrics=metrics, params=params, tags=[RunTag("table", "table1")])
+    client.set_terminated(run_id, "FINISHED")
+    return run_id
+
+
 @pytest.fixture
 def store(tmp_path):
     """A records directory."""
@@ -1189,7 +1201,7 @@ def test_records_the_export_does_not_count_need_no_scores_and_dotted_keys_still_
 
 
 def test_records_add_leaves_a_run_with_a_nan_metric_in_its_store_and_names_it(tmp_path, empty_store, capsys):
-    from mlflow.entities import Metric, Param, RunTag
+    from mlflow.entities import Metric
     from mlflow.tracking import MlflowClient
 
     from xmc_repro.report.__main__ import main
@@ -1197,13 +1209,8 @@ def test_records_add_leaves_a_run_with_a_nan_metric_in_its_store_and_names_it(tm
     shutil.copy(empty_store, tmp_path / "gpu.db")
     uri = f"sqlite:///{tmp_path / 'gpu.db'}"
     client = MlflowClient(uri)
-    experiment = client.get_experiment_by_name("xmc_repro").experiment_id
     for p1 in (50.5, math.nan):
-        run_id = client.create_run(experiment).info.run_id
-        client.log_batch(run_id, metrics=logged_scores(p1),
-                         params=[Param(k, v) for k, v in params_of(BIBTEX, "dense").items()],
-                         tags=[RunTag("table", "table1")])  # fmt: skip
-        client.set_terminated(run_id, "FINISHED")
+        run_id = finished_table_run(client, logged_scores(p1))
     directory = tmp_path / "records"
     directory.mkdir()
     assert main(["records", "add", uri, "--dir", str(directory)]) == 0
@@ -1211,11 +1218,8 @@ def test_records_add_leaves_a_run_with_a_nan_metric_in_its_store_and_names_it(tm
         f"1 new, 0 updated, 0 unchanged records from {uri}; left out 1 runs: 1 unusable as records (run {run_id}: "
         "metric test/p_at_1 is nan, not a finite number)")
     client.set_terminated(run_id, "FAILED")
-    infinite = client.create_run(experiment).info.run_id  # MLflow's sqlite store keeps inf as the largest float
-    client.log_batch(infinite, metrics=[Metric("time_per_epoch_s", math.inf, 0, 0)],
-                     params=[Param(k, v) for k, v in params_of(BIBTEX, "dense", seed=1).items()],
-                     tags=[RunTag("table", "table1")])  # fmt: skip
-    client.set_terminated(infinite, "FINISHED")
+    # MLflow's sqlite store keeps inf as the largest float
+    infinite = finished_table_run(client, [Metric("time_per_epoch_s", math.inf, 0, 0)], seed=1)
     assert records.add_from_store(uri, directory)["unusable"] == [
         f"run {infinite}: metric time_per_epoch_s is 1.7976931348623157e+308 (infinite, as MLflow stores it), not a "
         "finite number"]  # fmt: skip
@@ -1225,7 +1229,7 @@ def test_records_add_leaves_a_run_with_a_nan_metric_in_its_store_and_names_it(tm
 def test_records_add_leaves_a_finished_run_without_a_test_score_in_its_store(tmp_path, empty_store, capsys):
     """A run with train metrics but no test/p_at_1 was copied: its seed was listed in the row, whose test P@1 was the
     mean of the other seeds only."""
-    from mlflow.entities import Metric, Param, RunTag
+    from mlflow.entities import Metric
     from mlflow.tracking import MlflowClient
 
     from xmc_repro.report.__main__ import main
@@ -1233,14 +1237,9 @@ def test_records_add_leaves_a_finished_run_without_a_test_score_in_its_store(tmp
     shutil.copy(empty_store, tmp_path / "gpu.db")
     uri = f"sqlite:///{tmp_path / 'gpu.db'}"
     client = MlflowClient(uri)
-    experiment = client.get_experiment_by_name("xmc_repro").experiment_id
     for seed in (0, 1):
-        run_id = client.create_run(experiment).info.run_id
         scores = logged_scores(50.5)[seed:]  # seed 1: P@3 and P@5 only
-        client.log_batch(run_id, metrics=[*scores, Metric("train/p_at_1", 60.0, 0, 0)],
-                         params=[Param(k, v) for k, v in params_of(BIBTEX, "dense", seed=seed).items()],
-                         tags=[RunTag("table", "table1")])  # fmt: skip
-        client.set_terminated(run_id, "FINISHED")
+        run_id = finished_table_run(client, [*scores, Metric("train/p_at_1", 60.0, 0, 0)], seed=seed)
     directory = tmp_path / "records"
     directory.mkdir()
     assert main(["records", "add", uri, "--dir", str(directory)]) == 0
