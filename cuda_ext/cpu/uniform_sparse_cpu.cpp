@@ -99,8 +99,10 @@ bool forward_cpu_kernel(const T* xc, const int32_t* idx, const T* w, const T* bi
 // (squared hinge) goes row by row over its nonzeros, into a row-major accumulator (bc, in): the row and the tile's
 // indices and weights stay in L1. A denser tile (BCE, early training) is vectorised over the rows as the forward
 // is: its gradient gathered transposed, (tile, bc), w * column added to the transposed accumulator's row
-// acc[src, 0..bc) for each connection. Labels with a zero gradient are skipped before their indices or weights
-// are read.
+// acc[src, 0..bc) for each connection; its indices and weights are copied first, a connection's row at a time, as
+// in the weight backward: read label by label, a row apart, each was a cache miss waited for before its update.
+// Labels with a zero gradient skip the updates; a mostly-zero tile skips them before their indices or weights are
+// read.
 template <typename T>
 bool backward_input_cpu_kernel(const T* g, const int32_t* idx, const T* w, T* gx, int64_t batch,
                                int64_t conn, int64_t labels, int64_t in_features) {
@@ -121,7 +123,8 @@ bool backward_input_cpu_kernel(const T* g, const int32_t* idx, const T* w, T* gx
         return acc;
       };
       bool bad = false;
-      std::vector<T> gt(kTile * bc), nz_g(kTile);
+      std::vector<T> gt(kTile * bc), nz_g(kTile), wt(kTile * conn);
+      std::vector<int32_t> it(kTile * conn);  // a dense tile's indices and weights, (tile, conn)
       std::vector<int64_t> nz_j(kTile);
       for (int64_t t = t0; t < t1; ++t) {
         const int64_t j0 = t * kTile, n = std::min(kTile, labels - j0);
@@ -151,15 +154,20 @@ bool backward_input_cpu_kernel(const T* g, const int32_t* idx, const T* w, T* gx
         T* acc = accumulator(0);
         for (int64_t b = 0; b < nb; ++b)
           for (int64_t jj = 0; jj < n; ++jj) gt[jj * bc + b] = g[(c0 + b) * labels + j0 + jj];
+        for (int64_t k = 0; k < conn; ++k)
+          for (int64_t jj = 0; jj < n; ++jj) {
+            it[jj * conn + k] = idx[k * labels + j0 + jj];
+            wt[jj * conn + k] = w[k * labels + j0 + jj];
+          }
         for (int64_t jj = 0; jj < n; ++jj) {
           const T* gj = &gt[jj * bc];
           bool any = false;
           for (int64_t b = 0; b < nb; ++b) any |= gj[b] != T(0);
           if (!any) continue;
           for (int64_t k = 0; k < conn; ++k) {
-            const int32_t src = idx[k * labels + j0 + jj];
+            const int32_t src = it[jj * conn + k];
             if (outside(src, in_features)) { bad = true; continue; }
-            const T wv = w[k * labels + j0 + jj];
+            const T wv = wt[jj * conn + k];
             T* a = acc + static_cast<int64_t>(src) * bc;
             for (int64_t b = 0; b < nb; ++b) a[b] += wv * gj[b];
           }
