@@ -95,14 +95,14 @@ bool forward_cpu_kernel(const T* xc, const int32_t* idx, const T* w, const T* bi
 }
 
 // Backward to the inputs. A chunk of bc batch rows at a time, each task takes tiles of labels and adds into its own
-// accumulators, which are then summed into grad_x's rows of the chunk. A tile whose gradient is mostly zero
-// (squared hinge) goes row by row over its nonzeros, into a row-major accumulator (bc, in): the row and the tile's
-// indices and weights stay in L1. A denser tile (BCE, early training) is vectorised over the rows as the forward
-// is: its gradient gathered transposed, (tile, bc), w * column added to the transposed accumulator's row
-// acc[src, 0..bc) for each connection; its indices and weights are copied first, a connection's row at a time, as
-// in the weight backward: read label by label, a row apart, each was a cache miss waited for before its update.
-// Labels with a zero gradient skip the updates; a mostly-zero tile skips them before their indices or weights are
-// read.
+// accumulators, which are then summed into grad_x's rows of the chunk. A tile with a nonzero gradient has its
+// indices and weights copied first, a connection's row at a time, as in the weight backward: read in place label
+// by label (a row apart), each was a cache miss waited for before its update; the mostly-zero tiles' rows were
+// slower on them in place too. A tile whose gradient is mostly zero (squared hinge) then goes row by row over its
+// nonzeros, into a row-major accumulator (bc, in). A denser tile (BCE, early training) is vectorised over the rows
+// as the forward is: its gradient gathered transposed, (tile, bc), w * column added to the transposed
+// accumulator's row acc[src, 0..bc) for each connection. Labels with a zero gradient skip the updates, an all-zero
+// tile the copy too.
 template <typename T>
 bool backward_input_cpu_kernel(const T* g, const int32_t* idx, const T* w, T* gx, int64_t batch,
                                int64_t conn, int64_t labels, int64_t in_features) {
@@ -124,7 +124,7 @@ bool backward_input_cpu_kernel(const T* g, const int32_t* idx, const T* w, T* gx
       };
       bool bad = false;
       std::vector<T> gt(kTile * bc), nz_g(kTile), wt(kTile * conn);
-      std::vector<int32_t> it(kTile * conn);  // a dense tile's indices and weights, (tile, conn)
+      std::vector<int32_t> it(kTile * conn);  // the tile's indices and weights, (tile, conn)
       std::vector<int64_t> nz_j(kTile);
       for (int64_t t = t0; t < t1; ++t) {
         const int64_t j0 = t * kTile, n = std::min(kTile, labels - j0);
@@ -132,20 +132,24 @@ bool backward_input_cpu_kernel(const T* g, const int32_t* idx, const T* w, T* gx
         for (int64_t b = 0; b < nb; ++b)
           for (int64_t jj = 0; jj < n; ++jj) nonzeros += g[(c0 + b) * labels + j0 + jj] != T(0);
         if (nonzeros == 0) continue;
+        for (int64_t k = 0; k < conn; ++k)
+          for (int64_t jj = 0; jj < n; ++jj) {
+            it[jj * conn + k] = idx[k * labels + j0 + jj];
+            wt[jj * conn + k] = w[k * labels + j0 + jj];
+          }
         if (4 * nonzeros <= n * nb) {
           T* acc = accumulator(1);
           for (int64_t b = 0; b < nb; ++b) {
             const T* gb = g + (c0 + b) * labels + j0;
             int64_t m = 0;
             for (int64_t jj = 0; jj < n; ++jj)
-              if (gb[jj] != T(0)) { nz_j[m] = j0 + jj; nz_g[m] = gb[jj]; ++m; }
+              if (gb[jj] != T(0)) { nz_j[m] = jj * conn; nz_g[m] = gb[jj]; ++m; }
             T* row = acc + b * in_features;
             for (int64_t k = 0; k < conn; ++k) {
-              const int32_t* ik = idx + k * labels;
-              const T* wk = w + k * labels;
               for (int64_t q = 0; q < m; ++q) {
-                if (outside(ik[nz_j[q]], in_features)) { bad = true; continue; }
-                row[ik[nz_j[q]]] += wk[nz_j[q]] * nz_g[q];
+                const int32_t src = it[nz_j[q] + k];
+                if (outside(src, in_features)) { bad = true; continue; }
+                row[src] += wt[nz_j[q] + k] * nz_g[q];
               }
             }
           }
@@ -154,11 +158,6 @@ bool backward_input_cpu_kernel(const T* g, const int32_t* idx, const T* w, T* gx
         T* acc = accumulator(0);
         for (int64_t b = 0; b < nb; ++b)
           for (int64_t jj = 0; jj < n; ++jj) gt[jj * bc + b] = g[(c0 + b) * labels + j0 + jj];
-        for (int64_t k = 0; k < conn; ++k)
-          for (int64_t jj = 0; jj < n; ++jj) {
-            it[jj * conn + k] = idx[k * labels + j0 + jj];
-            wt[jj * conn + k] = w[k * labels + j0 + jj];
-          }
         for (int64_t jj = 0; jj < n; ++jj) {
           const T* gj = &gt[jj * bc];
           bool any = false;
