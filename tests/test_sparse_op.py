@@ -135,6 +135,30 @@ def test_cpu_kernels_over_batch_chunks_tiles_of_both_kinds_and_threads(threads):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize("in_features", [70_000, 257])
+def test_cpu_forward_over_chunks_same_bits_for_any_threads(dtype, in_features):
+    """The CPU forward copies a tile's indices and weights once and uses the copy for every batch chunk: 70,000
+    features and batch 45 make chunks of 14 rows, the last one 3; 257 features one chunk. 333 labels over 7
+    connections (a partial last tile), a label whose connections all share one source, with and without bias.
+    Against the reference; each label's sum goes in one order: the same bits for 1, 2 and 3 threads."""
+    batch, labels, conn = 45, 333, 7
+    x, idx, w, b = _problem(batch, in_features, labels, conn, "cpu", dtype=dtype, seed=21)
+    idx[:, 5] = in_features - 1
+    before = torch.get_num_threads()
+    results = []
+    try:
+        for threads in (1, 2, 3):
+            torch.set_num_threads(threads)
+            results.append((OPS.forward(x, idx, w, b), OPS.forward(x, idx, w, None)))
+    finally:
+        torch.set_num_threads(before)
+    torch.testing.assert_close(results[0][0], ref.forward(x, idx, w, b))
+    torch.testing.assert_close(results[0][1], ref.forward(x, idx, w, None))
+    for with_bias, without in results[1:]:
+        assert torch.equal(with_bias, results[0][0]) and torch.equal(without, results[0][1])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("in_features", [70_000, 257])
 def test_cpu_input_backward_tiles_of_both_kinds_over_chunks_and_threads(dtype, in_features):
     """The CPU input backward copies a tile's indices and weights before its updates, then goes over a dense tile
     label by label and a mostly-zero one row by row. 70,000 features and batch 45 make chunks of 14 rows, the last

@@ -33,11 +33,12 @@ void check_index_range(bool in_range, const at::Tensor& indices, int64_t in_feat
 // The batch is split into chunks of bc rows and each chunk stored transposed, xc (chunks, in, bc):
 // one connection's gather reads bc contiguous values, and a chunk (in * bc values) stays in the
 // caches while all labels gather from it. A chunk beyond the batch is zero-padded.
-// The forward reads all indices and weights once per chunk: its chunks hold up to 1M values (4 MiB);
-// with 64K (8 chunks at 16,384 inputs, batch 32) it took 2.3x as long. The weight backward's chunks hold up to 1M
-// values too, rounded up to a multiple of kGroup rows: it skips a label's all-zero groups of kGroup rows within a
-// chunk (squared hinge), so small chunks gain nothing there, and a dense gradient (BCE) reads whole rows of a chunk
-// (with 64K chunks, rows of 4 values: a quarter cache line per gather; results/bench/cpu-full-uniform-*.md).
+// The forward's chunks hold up to 1M values (4 MiB): when it read all indices and weights once per chunk, 64K
+// (8 chunks at 16,384 inputs, batch 32) took 2.3x as long; it now copies a tile's once for all its chunks.
+// The weight backward's chunks hold up to 1M values too, rounded up to a multiple of kGroup rows: it skips a
+// label's all-zero groups of kGroup rows within a chunk (squared hinge), so small chunks gain nothing there, and a
+// dense gradient (BCE) reads whole rows of a chunk (with 64K chunks, rows of 4 values: a quarter cache line per
+// gather; results/bench/cpu-full-uniform-*.md).
 // The input backward's chunks size each task's accumulator: up to 1M values (4 MiB in float32).
 constexpr int64_t kForwardChunkValues = 1024 * 1024, kWeightChunkValues = 1024 * 1024, kInputChunkValues = 1024 * 1024;
 constexpr int64_t kGroup = 4;  // the weight backward's rows per group (see there); its chunks are a multiple of it
@@ -59,7 +60,9 @@ at::Tensor chunked_transpose(const at::Tensor& x, int64_t bc) {
 }
 
 // Forward: per tile of labels and batch chunk, accumulate (tile, bc) sums from xc rows, then
-// write out[b, tile] row-wise.
+// write out[b, tile] row-wise. The tile's indices and weights are copied first, a connection's row at a time, as
+// in the backward kernels: loads one after another keep their cache misses in flight together, and the copy was
+// faster than reading them in place between the gathers.
 template <typename T>
 bool forward_cpu_kernel(const T* xc, const int32_t* idx, const T* w, const T* bias, T* out, int64_t batch,
                         int64_t bc, int64_t in_features, int64_t conn, int64_t labels) {
@@ -67,15 +70,20 @@ bool forward_cpu_kernel(const T* xc, const int32_t* idx, const T* w, const T* bi
   std::atomic<bool> out_of_range{false};
   at::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) {
     bool bad = false;
-    std::vector<T> acc(kTile * bc);
+    std::vector<T> acc(kTile * bc), wt(kTile * conn);
+    std::vector<int32_t> it(kTile * conn);  // the tile's indices and weights, (conn, tile)
     for (int64_t t = t0; t < t1; ++t) {
       const int64_t j0 = t * kTile, n = std::min(kTile, labels - j0);
+      for (int64_t k = 0; k < conn; ++k) {
+        std::copy_n(idx + k * labels + j0, n, &it[k * kTile]);
+        std::copy_n(w + k * labels + j0, n, &wt[k * kTile]);
+      }
       for (int64_t c0 = 0; c0 < batch; c0 += bc) {
         const T* xt = xc + (c0 / bc) * in_features * bc;
         for (int64_t jj = 0; jj < n; ++jj) std::fill_n(&acc[jj * bc], bc, bias ? bias[j0 + jj] : T(0));
         for (int64_t k = 0; k < conn; ++k) {
-          const int32_t* ik = idx + k * labels + j0;
-          const T* wk = w + k * labels + j0;
+          const int32_t* ik = &it[k * kTile];
+          const T* wk = &wt[k * kTile];
           for (int64_t jj = 0; jj < n; ++jj) {
             if (outside(ik[jj], in_features)) { bad = true; continue; }
             const T* xr = xt + static_cast<int64_t>(ik[jj]) * bc;
