@@ -6,6 +6,7 @@ import re
 import shutil
 import subprocess
 import sys
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -109,6 +110,17 @@ def test_kernels_match_reference(device, shape, density):
     torch.testing.assert_close(OPS.backward_weight(grad, x, idx), ref.backward_weight(grad, x, idx))
 
 
+@contextmanager
+def cpu_threads(threads: int):
+    """torch's CPU threads set to `threads` meanwhile."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
 @pytest.mark.parametrize("threads", [1, 3])
 def test_cpu_kernels_over_batch_chunks_tiles_of_both_kinds_and_threads(threads):
     """The CPU kernels take a wide input's batch a chunk of rows at a time (60,000 features: chunks of 17 rows);
@@ -119,13 +131,9 @@ def test_cpu_kernels_over_batch_chunks_tiles_of_both_kinds_and_threads(threads):
     grad = _sparse_grad(batch, labels, 0.01, "cpu")
     grad[:, :100] = torch.randn(batch, 100, generator=generator(2))
     grad[:, 192:256] = 0
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
+    with cpu_threads(threads):
         got = OPS.backward_input(grad, idx, w, in_features)
         out, (grad_w, grad_b) = OPS.forward(x, idx, w, b), OPS.backward_weight(grad, x, idx)
-    finally:
-        torch.set_num_threads(before)
     torch.testing.assert_close(got, ref.backward_input(grad, idx, w, in_features))
     torch.testing.assert_close(got, grad @ ref.dense_weight(idx, w, in_features))
     torch.testing.assert_close(out, ref.forward(x, idx, w, b))
@@ -143,14 +151,10 @@ def test_cpu_forward_over_chunks_same_bits_for_any_threads(dtype, in_features):
     batch, labels, conn = 45, 333, 7
     x, idx, w, b = _problem(batch, in_features, labels, conn, "cpu", dtype=dtype, seed=21)
     idx[:, 5] = in_features - 1
-    before = torch.get_num_threads()
     results = []
-    try:
-        for threads in (1, 2, 3):
-            torch.set_num_threads(threads)
+    for threads in (1, 2, 3):
+        with cpu_threads(threads):
             results.append((OPS.forward(x, idx, w, b), OPS.forward(x, idx, w, None)))
-    finally:
-        torch.set_num_threads(before)
     torch.testing.assert_close(results[0][0], ref.forward(x, idx, w, b))
     torch.testing.assert_close(results[0][1], ref.forward(x, idx, w, None))
     for with_bias, without in results[1:]:
@@ -175,16 +179,12 @@ def test_cpu_input_backward_tiles_of_both_kinds_over_chunks_and_threads(dtype, i
     grad[:, 192:256] = 0
     grad[:9, 300:] = torch.randn(9, labels - 300, generator=generator(15), dtype=dtype)
     expect = ref.backward_input(grad, idx, w, in_features)
-    before = torch.get_num_threads()
-    try:
-        for threads in (1, 2, 3):
-            torch.set_num_threads(threads)
+    for threads in (1, 2, 3):
+        with cpu_threads(threads):
             got = OPS.backward_input(grad, idx, w, in_features)
             assert torch.equal(got, OPS.backward_input(grad, idx, w, in_features))
-            torch.testing.assert_close(got, expect)
-            torch.testing.assert_close(got, grad @ ref.dense_weight(idx, w, in_features))
-    finally:
-        torch.set_num_threads(before)
+        torch.testing.assert_close(got, expect)
+        torch.testing.assert_close(got, grad @ ref.dense_weight(idx, w, in_features))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
@@ -203,14 +203,10 @@ def test_cpu_weight_backward_over_groups_and_chunks_same_bits_for_any_threads(dt
     grad[44, 150:155] = 1.5  # only the last row, alone in its group
     grad[[3, 17, 30], 155:160] = -0.5  # one row in each of three groups
     grad[:, 192:256] = 0
-    before = torch.get_num_threads()
     results = []
-    try:
-        for threads in (1, 2, 3):
-            torch.set_num_threads(threads)
+    for threads in (1, 2, 3):
+        with cpu_threads(threads):
             results.append(OPS.backward_weight(grad, x, idx))
-    finally:
-        torch.set_num_threads(before)
     expect_w, expect_b = ref.backward_weight(grad, x, idx)
     torch.testing.assert_close(results[0][0], expect_w)
     torch.testing.assert_close(results[0][1], expect_b)
@@ -490,7 +486,7 @@ def test_out_of_range_indices_raise_on_the_cpu(bad):
              lambda: OPS.backward_weight(grad, x, idx), lambda: ref.forward(x, idx, w, b),
              lambda: ref.backward_input(grad, idx, w, 10), lambda: ref.backward_weight(grad, x, idx)]
     for call in calls:
-        with pytest.raises((RuntimeError, SparseInputError), match=re.escape(f"indices must lie in [0, 10), found values in [")):
+        with pytest.raises((RuntimeError, SparseInputError), match=re.escape("indices must lie in [0, 10), found values in [")):
             call()
 
 
