@@ -545,8 +545,11 @@ def hold_run(directory: str | Path, run_id: str | None) -> RunLock:
     except OSError as error:
         raise StorageError(f"cannot create the run's lock file {lock.path} ({error.strerror}); fix that folder") from None
     if not acquired:
-        raise ConfigError(
-            f"resume={run_id}: run {run_id} is being written by another process (pid {lock.holder()}, lock "
-            f"{lock.path}); a run has one writer: wait for that process to end, or stop it, then resume"
-        )
+        raise written_elsewhere(run_id, lock)
     return lock
+
+
+def written_elsewhere(run_id: str | None, lock: RunLock) -> ConfigError:
+    """The one-line refusal of a second writer of run `run_id`, whose `lock` another process holds."""
+    return ConfigError(f"resume={run_id}: run {run_id} is being written by another process (pid {lock.holder()}, lock "
+                       f"{lock.path}); a run has one writer: wait for that process to end, or stop it, then resume")

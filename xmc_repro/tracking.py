@@ -414,14 +414,11 @@ class RunTracker:
         host, _, lock = writer.partition(":")
         if run.info.status != "RUNNING" or host != platform.node() or not lock or writer in self.held:
             return
-        from xmc_repro.checkpoints import RunLock
+        from xmc_repro.checkpoints import RunLock, written_elsewhere
 
         holder = RunLock(Path(lock).parent)
         if holder.is_held():
-            raise ConfigError(
-                f"resume={run.info.run_id}: run {run.info.run_id} is being written by another process (pid "
-                f"{holder.holder()}, lock {lock}); a run has one writer: wait for that process to end, or stop it, "
-                "then resume")
+            raise written_elsewhere(run.info.run_id, holder)
 
     def status(self) -> str:
         return with_retries(self.client.get_run, self.run_id).info.status
