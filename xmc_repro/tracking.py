@@ -119,13 +119,14 @@ def with_retries(fn, *args, while_waiting=None, deadline=None, **kwargs):
     began = time.monotonic()
     if deadline is None:
         deadline = began + RETRY_SECONDS
-    notice = _WaitNotice(began, deadline, "the MLflow store is locked by another process")
+    notice = None  # made at the first wait only: every metric a run logs comes through here
     while True:
         try:
             return fn(*args, **kwargs)
         except Exception as error:
             if not is_contention(error) or time.monotonic() > deadline:
                 raise
+            notice = notice or _WaitNotice(began, deadline, "the MLflow store is locked by another process")
             notice.say()
             if while_waiting is not None:
                 while_waiting()
