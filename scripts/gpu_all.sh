@@ -5,9 +5,9 @@
 # 1. builds the CPU+CUDA kernels (XMC_SPARSE_BACKEND=compiled: a failed CUDA build is an error here),
 # 2. runs every `cuda`-marked test,
 # 3. the layer benchmark at the headline shape (670,091 labels, 16,384 inputs, 32, batch 32; squared-hinge and BCE
-#    gradients), float32 and bf16 inputs, the op's kernels beside the warp-per-label candidates (uniform-rows),
-#    torch CSR and dense, with the L2 read bandwidth of the probe kernel; its last line names the faster kernels
-#    per phase,
+#    gradients), float32 and bf16 inputs, the op on its thread-per-label kernels (XMC_SPARSE_KERNELS=threads)
+#    beside the warp-per-label ones (uniform-rows), torch CSR and dense, with the L2 read bandwidth of the probe
+#    kernel; its last line names the faster kernels per phase,
 # 4. memory: 20,000 points of the pipeline at Amazon-670K's shape with a rewiring every 50 steps, graphed and
 #    eager (trainer.cuda_graph=false), each with what was allocated at its peak (trainer.memory_report),
 # 5. the whole-model step, dense beside uniform (eager, CUDA graph, Lightning; 32-true and bf16-mixed), Amazon-670K
@@ -16,18 +16,21 @@
 #    (XMC_SPARSE_KERNELS=rows, results in results/bench/rows-kernels/),
 # 6. one full epoch of the pipeline at Amazon-670K's shape (uniform, 32k intermediate layer, graph step), at each
 #    of EPOCH_PRECISIONS (default "32-true bf16-mixed"), with a profile of 20 of its steps (trainer.profile_steps:
-#    where the real loop leaves the GPU idle), after the 32-true one the same with the warp-per-label kernels
-#    (epoch-rows-32-true) and, where the layer benchmark found the candidates faster in some phases only, with
-#    those phases on them (epoch-mixed-32-true, XMC_SPARSE_KERNELS=rows:<phases>); then the dense model's epoch at
+#    where the real loop leaves the GPU idle), on the op's default kernels; after the 32-true one the same with
+#    the thread-per-label kernels in every phase (epoch-threads-32-true), the warp-per-label ones in every phase
+#    (epoch-rows-32-true) and, where the layer benchmark found those faster in a mix of phases other than the
+#    default's, that mix (epoch-mixed-32-true, XMC_SPARSE_KERNELS=rows:<phases>); then the dense model's epoch at
 #    32-true (the dense/uniform ratio; about 2.5 minutes); the step's wall time over each epoch, by quarter
 #    (step-times.md, scripts/step_times.py: early steps are slower),
-# 7. with BIBTEX=1: Bibtex through the pipeline, seed 0, float32, bf16-mixed and float32 with the warp-per-label
-#    kernels (P@k against the CPU runs; measured on an H200 at 17de686, README), if its files are carried
+# 7. with BIBTEX=1: Bibtex through the pipeline, seed 0, float32 and bf16-mixed on the default kernels, float32
+#    on the thread-per-label and on the warp-per-label kernels in every phase (P@k against each other and the CPU
+#    runs), if its files are carried
 #    in .gpu_data/Bibtex (XMC_SHARED_DATA): mkdir -p .gpu_data/Bibtex && cp ../shared/data/Bibtex/*_xc.txt
 #    .gpu_data/Bibtex/ (.gpu_data and .whl listed in .git/info/exclude, both named in the call's carry).
 # Steps, in this order (SKIP="model epoch-bf16-mixed ..." skips them by name): env build tests layer
-#   memory-graph-true memory-graph-false model model-rows epoch-32-true epoch-rows-32-true epoch-mixed-32-true
-#   epoch-bf16-mixed epoch-dense-32-true bibtex-32-true bibtex-bf16-mixed bibtex-rows-32-true.
+#   memory-graph-true memory-graph-false model model-rows epoch-32-true epoch-threads-32-true epoch-rows-32-true
+#   epoch-mixed-32-true epoch-bf16-mixed epoch-dense-32-true bibtex-32-true bibtex-bf16-mixed bibtex-threads-32-true
+#   bibtex-rows-32-true.
 # Each step has its own timeout (together about 2,000 s), all share a deadline of BUDGET_S seconds (470 by default,
 # from the script's start, the wheels' install included), and a failing step does not stop the next (the script
 # then exits with 1): the deadline skips the steps that no longer fit, so a call that needs the later ones SKIPs
@@ -61,6 +64,8 @@ if [ "$DRY_RUN" != 1 ] && ! python3 -c "import hydra, mlflow" 2>/dev/null && ls 
   python3 -m pip install -q --no-index --no-deps --no-compile --target "$HOME/site" .whl/*.whl
 fi
 export PYTHONPATH="$HOME/site:$PWD"
+# the phases the op runs on the warp-per-label kernels by default (XMC_SPARSE_KERNELS unset)
+[ "$DRY_RUN" = 1 ] || DEFAULT_ROWS=$(python3 -c "from xmc_repro.sparse.op import DEFAULT_ROWS_PHASES as p; print(','.join(p))")
 status=()
 step() {  # step NAME SECONDS CMD...: run with a timeout (capped by the deadline), log to $LOGS/NAME.log
   local name=$1 secs=$2; shift 2
@@ -83,7 +88,8 @@ import time; t = time.time()
 from xmc_repro.sparse import build, op
 print(op.ensure_registered(), 'archs', build.cuda_archs(), f'first load (compile) {time.time() - t:.0f} s')"
 step tests 130 python3 -m pytest -m cuda ${TESTS:-tests} -q -p no:cacheprovider
-step layer 100 python3 -m xmc_repro.bench --device cuda --out results/bench --max-cases ${LAYER_CASES:-2} \
+# the op on its thread-per-label kernels in every phase, beside the warp-per-label ones: which is faster where
+step layer 100 env XMC_SPARSE_KERNELS=threads python3 -m xmc_repro.bench --device cuda --out results/bench --max-cases ${LAYER_CASES:-2} \
   --methods uniform,uniform-bf16,uniform-rows,uniform-rows-bf16,csr,dense
 for graph in true false; do  # their own MLflow store: diagnostics, not records (recording slows every allocation)
   step "memory-graph-$graph" 90 env MLFLOW_TRACKING_URI="sqlite:///$LOGS/memory_runs.db" python3 -m xmc_repro \
@@ -95,8 +101,8 @@ step model 240 python3 -m xmc_repro.bench --model --device cuda --out results/be
 step model-rows 120 env XMC_SPARSE_KERNELS=rows python3 -m xmc_repro.bench --model --device cuda \
   --out results/bench/rows-kernels --steps 50 --precision 32-true
 epoch() {  # epoch NAME MODEL PRECISION SECONDS [overrides...]: one epoch of the pipeline at Amazon-670K's shape
-  local name=$1 model=$2 precision=$3 secs=$4; shift 4  # KERNELS=rows epoch ...: the warp-per-label kernels
-  step "$name" "$secs" env XMC_SPARSE_KERNELS=${KERNELS:-threads} python3 -m xmc_repro dataset=synthetic_amazon670k \
+  local name=$1 model=$2 precision=$3 secs=$4; shift 4  # KERNELS=rows epoch ...: other kernels than the default
+  step "$name" "$secs" env XMC_SPARSE_KERNELS=${KERNELS:-} python3 -m xmc_repro dataset=synthetic_amazon670k \
     dataset.num_train=${POINTS:-${EPOCH_POINTS:-490449}} \
     dataset.num_test=10000 trainer.max_epochs=1 trainer.precision=$precision trainer.progress_bar=false \
     trainer.train_eval_max_points=10000 table=gpu_check model=$model "$@"
@@ -104,10 +110,12 @@ epoch() {  # epoch NAME MODEL PRECISION SECONDS [overrides...]: one epoch of the
 for precision in ${EPOCH_PRECISIONS:-32-true bf16-mixed}; do
   epoch "epoch-$precision" uniform "$precision" 170 model.intermediate=32768 trainer.profile_steps=20
   [ "$precision" = 32-true ] || continue
+  KERNELS=threads epoch epoch-threads-32-true uniform 32-true 170 model.intermediate=32768 trainer.profile_steps=20
   KERNELS=rows epoch epoch-rows-32-true uniform 32-true 170 model.intermediate=32768 trainer.profile_steps=20
-  # each phase on the kernels the layer benchmark found faster, when that is neither all the op's nor all rows
+  # each phase on the kernels the layer benchmark found faster, when that is a mix other than the default's
   mixed=$(grep -oE "XMC_SPARSE_KERNELS=rows:[a-z_,]+" "$LOGS/layer.log" 2>/dev/null | head -1 | cut -d= -f2)
   [ "$DRY_RUN" = 1 ] && mixed=rows:PHASES  # the layer step's choice
+  [ "$mixed" = "rows:${DEFAULT_ROWS:-}" ] && mixed=
   [ -n "$mixed" ] && KERNELS=$mixed epoch epoch-mixed-32-true uniform 32-true 170 model.intermediate=32768
 done
 POINTS=${DENSE_POINTS:-} epoch epoch-dense-32-true dense 32-true 240  # DENSE_POINTS=50000: its step time, sooner
@@ -118,10 +126,9 @@ for d in checkpoints/*/; do  # the epochs' step profiles, named by run
   [ "$d/memory-peak.txt" -nt "$LOGS/.started" ] && cp "$d/memory-peak.txt" "$LOGS/memory-peak-$run.txt"
 done
 if [ -n "${XMC_SHARED_DATA:-}" ] && [ "${BIBTEX:-0}" = 1 ]; then
-  for run in threads:32-true threads:bf16-mixed rows:32-true; do  # kernels:precision
+  for run in :32-true :bf16-mixed threads:32-true rows:32-true; do  # kernels (empty: the default):precision
     kernels=${run%%:*} precision=${run#*:}
-    name=bibtex-$precision
-    [ "$kernels" = rows ] && name=bibtex-rows-$precision
+    name=bibtex-${kernels:+$kernels-}$precision
     step "$name" 60 env XMC_SPARSE_KERNELS=$kernels python3 -m xmc_repro \
       dataset=bibtex model=uniform model.intermediate=1024 seed=0 trainer.progress_bar=false \
       trainer.precision=$precision table=gpu_check
@@ -145,10 +152,10 @@ grep -E "passed|failed|error" "$LOGS/tests.log" | tail -3
 sed -n '/^| model /,$p' "$LOGS/model.log" "$LOGS/model-rows.log" 2>/dev/null
 find results/bench -maxdepth 1 -name "*-model-profile.txt" -newer "$LOGS/.started" -exec cat {} + | grep -E "^==|^device span|^host during|^  +[0-9.]+  |^blocking"
 grep -E "peak GPU|^allocated at|MiB .* blocks" "$LOGS"/memory-graph-*.log
-for p in 32-true rows-32-true mixed-32-true bf16-mixed dense-32-true; do [ -f "$LOGS/epoch-$p.log" ] && grep -E "^epoch |peak GPU|MLflow run|^profile of|^device span|^host during|^  +[0-9.]+  |^blocking" "$LOGS/epoch-$p.log" | tail -20; done
+for p in 32-true threads-32-true rows-32-true mixed-32-true bf16-mixed dense-32-true; do [ -f "$LOGS/epoch-$p.log" ] && grep -E "^epoch |peak GPU|MLflow run|^profile of|^device span|^host during|^  +[0-9.]+  |^blocking" "$LOGS/epoch-$p.log" | tail -20; done
 cat "$LOGS/step-times.md"
 sed -n '/^case /,$p' "$LOGS/layer.log"
-for p in 32-true bf16-mixed rows-32-true; do [ -f "$LOGS/bibtex-$p.log" ] && grep -E "test|seconds per epoch" "$LOGS/bibtex-$p.log" | tail -3; done
+for p in 32-true bf16-mixed threads-32-true rows-32-true; do [ -f "$LOGS/bibtex-$p.log" ] && grep -E "test|seconds per epoch" "$LOGS/bibtex-$p.log" | tail -3; done
 # the exit status: 1 when a step failed or ran out of time (the summary's first lines say which), else 0
 case " ${status[*]} " in *": exit "[1-9]*) exit 1;; esac
 exit 0

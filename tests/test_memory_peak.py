@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from xmc_repro import train
-from xmc_repro.memory_peak import allocation_site, live_at_peak
+from xmc_repro.memory_peak import BEFORE_RECORDING, allocation_site, live_at_peak
 
 MODEL = [{"name": "forward", "filename": "/x/xmc_repro/model.py", "line": 10}]
 WORKSPACE = [{"name": "at::cuda::getCUDABlasLtWorkspace()", "filename": "??", "line": 0}] + MODEL
@@ -18,8 +18,8 @@ def alloc(addr, size, frames=MODEL):
     return {"action": "alloc", "addr": addr, "size": size, "frames": frames}
 
 
-def free(addr, action="free_requested"):
-    return {"action": action, "addr": addr, "size": 0}
+def free(addr, action="free_requested", size=0):
+    return {"action": action, "addr": addr, "size": size}
 
 
 def test_the_peak_is_the_highest_total_and_lists_what_was_alive_then():
@@ -28,12 +28,30 @@ def test_the_peak_is_the_highest_total_and_lists_what_was_alive_then():
         alloc(3, 50), alloc(4, 200),          # peak here: 300 + 50 + 200 = 550
         free(3), free(3, "free_completed"),   # a free's two events count once
         free(4), alloc(5, 240),               # 540: below the peak
-        free(99),                             # a block from before the recording: ignored
+        free(99),                             # a block from before the recording, after the peak
     ]
     peak, ranked = live_at_peak(events)
     assert peak == 550
     assert ranked[0] == (allocation_site(WORKSPACE), 300, 1)
     assert ranked[1] == (allocation_site(MODEL), 250, 2)
+
+
+def test_blocks_allocated_before_the_recording_count_against_the_peak_once_freed():
+    """A graph capture frees the cuBLAS workspaces, which may predate the recording: the new ones it allocates
+    must not read as a rise. The peak is the rise above the start, as max_memory_allocated would show it."""
+    events = [
+        alloc(1, 100),
+        free(90, size=64), free(90, "free_completed", size=64),  # the old workspace: one free
+        alloc(2, 64, WORKSPACE),              # its replacement: 100 + 64 - 64
+        alloc(3, 20),                         # peak: 120
+        free(91, "free_completed", size=8),   # a completed free whose request was not recorded
+        free(3), alloc(4, 10),                # 102
+    ]
+    peak, ranked = live_at_peak(events)
+    assert peak == 120
+    assert ranked == [(allocation_site(MODEL), 120, 2), (allocation_site(WORKSPACE), 64, 1),
+                      (BEFORE_RECORDING, -64, 1)]
+    assert sum(size for _, size, _ in ranked) == peak
 
 
 def test_a_completed_free_without_its_request_still_frees():

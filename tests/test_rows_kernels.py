@@ -72,18 +72,19 @@ def test_rows_kernels_check_their_inputs_as_the_op_does(ops):
     with pytest.raises(RuntimeError, match="int32"):
         ops.rows_forward(x, idx.long(), w, b)
     with pytest.raises(RuntimeError, match="out_features columns"):
-        ops.rows_backward_input(g[:, :5], idx, w, 10)
+        ops.rows_backward_input(g[:, :5].contiguous(), idx, w, 10)
     with pytest.raises(RuntimeError, match="batch size"):
         ops.rows_backward_weight(g, x[:2], idx)
 
 
-@pytest.mark.parametrize("setting, phases", [("rows", ("forward", "backward_input", "backward_weight")),
+@pytest.mark.parametrize("setting, phases", [("", ("forward", "backward_input")), ("threads", ()),
+                                             ("rows", ("forward", "backward_input", "backward_weight")),
                                              ("rows:backward_input", ("backward_input",)),
                                              ("rows:backward_weight,forward", ("forward", "backward_weight"))])
 def test_the_op_runs_the_candidates_of_the_phases_asked(ops, setting, phases):
-    """XMC_SPARSE_KERNELS: the op's CUDA kernels hand over to the candidates in the phases named (a fresh process:
-    the switch is set when the op registers), through autograd as in training; the backend says so, and the
-    profiler sees each phase's kernel from the namespace asked (rows:: or threads::)."""
+    """XMC_SPARSE_KERNELS: the op runs the warp-per-label kernels in the phases named (unset: the default's; a
+    fresh process: the switch is set when the op registers), through autograd as in training; the backend says so,
+    and the profiler sees each phase's kernel from the namespace asked (rows:: or threads::)."""
     script = f"""
 import torch
 from torch.profiler import ProfilerActivity, profile
@@ -108,5 +109,6 @@ for phase in {ROWS_PHASES!r}:
     proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = [line for line in proc.stdout.splitlines() if line.startswith(("compiled-", *ROWS_PHASES))]  # no build notes
-    assert lines[0] == ("compiled-cuda-rows" if len(phases) == 3 else "compiled-cuda-rows:" + ",".join(phases))
+    assert lines[0] == ("compiled-cuda" if not phases else "compiled-cuda-rows" if len(phases) == 3
+                        else "compiled-cuda-rows:" + ",".join(phases))
     assert lines[1:4] == [f"{phase} {'rows' if phase in phases else 'threads'}" for phase in ROWS_PHASES]

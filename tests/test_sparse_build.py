@@ -44,9 +44,10 @@ def test_unknown_backend_setting_is_rejected(tmp_path, variable):
 
 def test_kernels_setting_names_the_phases_that_run_the_warp_per_label_candidates():
     from xmc_repro.sparse.checks import SparseInputError
-    from xmc_repro.sparse.op import ROWS_PHASES, rows_phases
+    from xmc_repro.sparse.op import DEFAULT_ROWS_PHASES, ROWS_PHASES, rows_phases
 
-    assert rows_phases(None) == rows_phases(" ") == rows_phases("Threads") == ()
+    assert rows_phases(None) == rows_phases(" ") == DEFAULT_ROWS_PHASES == ("forward", "backward_input")
+    assert rows_phases("Threads") == ()
     assert rows_phases("rows") == rows_phases("rows:backward_weight,forward, backward_input") == ROWS_PHASES
     assert rows_phases("rows:backward_weight,forward") == ("forward", "backward_weight")  # in the kernels' order
     for bad in ("rows:", "rows:fwd", "forward", "rows:forward,,backward_input"):

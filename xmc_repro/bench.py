@@ -636,7 +636,10 @@ def _main(argv: list[str] | None = None) -> int:
     print(f"wrote {out / name}.json and .md{note}")
     print(summary(rows))
     choice = rows_choice(rows)
-    if choice is not None:  # a line scripts/gpu_all.sh reads
+    if choice is not None and info["sparse_backend"] != "compiled-cuda":
+        print(f"no choice of kernels per phase: the op ran {info['sparse_backend']}, not its thread-per-label kernels "
+              "in every phase; compare with XMC_SPARSE_KERNELS=threads")
+    elif choice is not None:  # a line scripts/gpu_all.sh reads
         print(f"fastest kernels per phase: XMC_SPARSE_KERNELS={choice}")
     return 0
 

@@ -14,6 +14,7 @@ from collections import defaultdict
 
 MIB = 2**20
 PROJECT_MARKERS = ("xmc_repro/", "scripts/")
+BEFORE_RECORDING = "freed, allocated before the recording started"
 
 
 def start_recording(max_entries: int = 2_000_000) -> None:
@@ -57,14 +58,18 @@ def allocation_site(frames: list[dict]) -> str:
 def live_at_peak(events: list[dict], top: int = 12) -> tuple[int, list[tuple[str, int, int]]]:
     """The highest allocated total over ``events`` (one device's trace) and the blocks alive then, grouped by
     allocation site: ``(peak_bytes, [(site, bytes, blocks), ...])`` largest first, at most ``top`` groups (the
-    rest summed as 'other'). Blocks allocated before the recording started are not in the trace: the peak is
-    relative to the memory allocated then.
+    rest summed as 'other'). The total is relative to the memory allocated when the recording started: blocks
+    allocated before then are not in the trace, but their frees are (a graph capture frees the cuBLAS
+    workspaces), so those count against the total, as `BEFORE_RECORDING` (a negative size) when any were freed
+    by the peak. The peak is then what ``torch.cuda.max_memory_allocated`` would say above the start.
 
     A block counts as freed at its first free event (``free_requested``, or ``free_completed`` when the
     request was not recorded), as the allocator's own statistics do.
     """
     live: dict[int, tuple[int, list[dict]]] = {}
+    requested: set[int] = set()  # blocks whose free was requested and has not completed yet
     total = peak = 0
+    freed_before = freed_before_at_peak = (0, 0)  # bytes, blocks
     at_peak: dict[int, tuple[int, list[dict]]] = {}
     for event in events:
         action, addr = event.get("action"), event.get("addr")
@@ -72,9 +77,18 @@ def live_at_peak(events: list[dict], top: int = 12) -> tuple[int, list[tuple[str
             live[addr] = (event["size"], event.get("frames", []))
             total += event["size"]
             if total > peak:
-                peak, at_peak = total, dict(live)
-        elif action in ("free_requested", "free_completed") and addr in live:
-            total -= live.pop(addr)[0]
+                peak, at_peak, freed_before_at_peak = total, dict(live), freed_before
+        elif action in ("free_requested", "free_completed"):
+            if action == "free_completed" and addr in requested:
+                requested.discard(addr)  # counted at its request
+                continue
+            if action == "free_requested":
+                requested.add(addr)
+            if addr in live:
+                total -= live.pop(addr)[0]
+            else:  # allocated before the recording started
+                total -= event.get("size", 0)
+                freed_before = (freed_before[0] + event.get("size", 0), freed_before[1] + 1)
     groups: dict[str, list[int]] = defaultdict(lambda: [0, 0])
     for size, frames in at_peak.values():
         group = groups[allocation_site(frames)]
@@ -84,6 +98,8 @@ def live_at_peak(events: list[dict], top: int = 12) -> tuple[int, list[tuple[str
     if len(ranked) > top:
         rest = ranked[top:]
         ranked = ranked[:top] + [("other", sum(g[1] for g in rest), sum(g[2] for g in rest))]
+    if freed_before_at_peak[1]:
+        ranked.append((BEFORE_RECORDING, -freed_before_at_peak[0], freed_before_at_peak[1]))
     return peak, ranked
 
 
@@ -97,6 +113,6 @@ def peak_report(device=None, top: int = 12) -> str:
     traces = torch.cuda.memory._snapshot().get("device_traces", [])
     events = traces[index] if index < len(traces) else []
     peak, ranked = live_at_peak(events, top)
-    lines = [f"allocated at the peak (recorded blocks only): {peak / MIB:.1f} MiB, by allocation site:"]
+    lines = [f"allocated at the peak, above the start of the recording: {peak / MIB:.1f} MiB, by allocation site:"]
     lines += [f"  {size / MIB:9.1f} MiB  {count:5d} blocks  {site}" for site, size, count in ranked]
     return "\n".join(lines)
