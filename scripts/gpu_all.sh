@@ -87,7 +87,7 @@ step build 150 env XMC_SPARSE_BACKEND=compiled python3 -c "
 import time; t = time.time()
 from xmc_repro.sparse import build, op
 print(op.ensure_registered(), 'archs', build.cuda_archs(), f'first load (compile) {time.time() - t:.0f} s')"
-step tests 130 python3 -m pytest -m cuda ${TESTS:-tests} -q -p no:cacheprovider
+step tests 200 python3 -m pytest -m cuda ${TESTS:-tests} -q -p no:cacheprovider
 # the op on its thread-per-label kernels in every phase, beside the warp-per-label ones: which is faster where
 step layer 100 env XMC_SPARSE_KERNELS=threads python3 -m xmc_repro.bench --device cuda --out results/bench --max-cases ${LAYER_CASES:-2} \
   --methods uniform,uniform-bf16,uniform-rows,uniform-rows-bf16,csr,dense

@@ -3,6 +3,7 @@ the step profile and the memory report."""
 
 from __future__ import annotations
 
+import re
 import statistics
 import time
 
@@ -189,9 +190,11 @@ def test_a_memory_report_breaks_down_the_runs_peak(tmp_path):
     text = (tmp_path / "run" / "memory-peak.txt").read_text()
     peak = float(text.split("above the start of the recording: ")[1].split(" MiB")[0])
     # The model was made on the CPU, so its move to the GPU is recorded too: the recorded peak is the fit's own,
-    # earlier tests' cuBLAS workspaces (freed by the graph capture) counted against it.
+    # earlier tests' cuBLAS workspaces (freed by the graph capture, which allocates its own) counted against it.
     assert abs(peak - (torch.cuda.max_memory_allocated() - before) / 2**20) < 0.1
-    assert "_init_group" in text  # Adam's state, allocated by its first step
+    listed = [float(line.split(" MiB")[0]) for line in text.splitlines()[1:]]
+    assert abs(sum(listed) - peak) < 0.1 * len(listed)  # the sites (to 0.1 MiB each) sum to the peak
+    assert re.search(r"\((step_graph|model|op|losses)\.py:\d+\)", text)  # the project's frames are named
 
 
 def _step_times_script():
