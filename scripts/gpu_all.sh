@@ -89,8 +89,8 @@ from xmc_repro.sparse import build, op
 print(op.ensure_registered(), 'archs', build.cuda_archs(), f'first load (compile) {time.time() - t:.0f} s')"
 step tests 200 python3 -m pytest -m cuda ${TESTS:-tests} -q -p no:cacheprovider
 # the op on its thread-per-label kernels in every phase, beside the warp-per-label ones: which is faster where
-step layer 100 env XMC_SPARSE_KERNELS=threads python3 -m xmc_repro.bench --device cuda --out results/bench --max-cases ${LAYER_CASES:-2} \
-  --methods uniform,uniform-bf16,uniform-rows,uniform-rows-bf16,csr,dense
+step layer 100 env XMC_SPARSE_KERNELS=threads python3 -m xmc_repro.bench --device cuda --out results/bench \
+  --max-cases ${LAYER_CASES:-2} --methods uniform,uniform-bf16,uniform-rows,uniform-rows-bf16,csr,dense
 for graph in true false; do  # their own MLflow store: diagnostics, not records (recording slows every allocation)
   step "memory-graph-$graph" 90 env MLFLOW_TRACKING_URI="sqlite:///$LOGS/memory_runs.db" python3 -m xmc_repro \
     dataset=synthetic_amazon670k dataset.num_train=20000 dataset.num_test=10000 dataset.rewire_every_n_steps=50 trainer.max_epochs=1 trainer.progress_bar=false \

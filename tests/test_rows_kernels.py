@@ -81,7 +81,7 @@ def test_rows_kernels_check_their_inputs_as_the_op_does(ops):
                                              ("rows", ("forward", "backward_input", "backward_weight")),
                                              ("rows:backward_input", ("backward_input",)),
                                              ("rows:backward_weight,forward", ("forward", "backward_weight"))])
-def test_the_op_runs_the_candidates_of_the_phases_asked(ops, setting, phases):
+def test_the_op_runs_the_warp_per_label_kernels_in_the_phases_asked(ops, setting, phases):
     """XMC_SPARSE_KERNELS: the op runs the warp-per-label kernels in the phases named (unset: the default's; a
     fresh process: the switch is set when the op registers), through autograd as in training; the backend says so,
     and the profiler sees each phase's kernel from the namespace asked (rows:: or threads::)."""

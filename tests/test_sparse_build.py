@@ -42,7 +42,7 @@ def test_unknown_backend_setting_is_rejected(tmp_path, variable):
     assert proc.returncode != 0 and f"{variable}='fast'" in proc.stderr
 
 
-def test_kernels_setting_names_the_phases_that_run_the_warp_per_label_candidates():
+def test_kernels_setting_names_the_phases_that_run_the_warp_per_label_kernels():
     from xmc_repro.sparse.checks import SparseInputError
     from xmc_repro.sparse.op import DEFAULT_ROWS_PHASES, ROWS_PHASES, rows_phases
 
