@@ -104,6 +104,20 @@ def test_lock_is_exclusive_and_dies_with_its_process(tmp_path):
     second.release()
 
 
+def test_the_runs_writer_removes_what_a_killed_checkpoint_write_left(tmp_path, capsys):
+    """kill -9 mid-write leaves `last.ckpt.tmp`, as large as the checkpoint, beside the last good one: the next
+    writer of the run removes it (it alone holds the lock, so no one is writing it) and says so."""
+    (tmp_path / "last.ckpt").write_bytes(b"good")
+    (tmp_path / "last.ckpt.tmp").write_bytes(bytes(3 * 2**20))
+    (tmp_path / "best.ckpt.tmp").symlink_to(tmp_path / "elsewhere")  # not a write's leftover: kept
+    (tmp_path / "notes.tmp").write_text("the user's")
+    lock = checkpoints.hold_run(tmp_path, "abc")
+    lock.release()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["best.ckpt.tmp", "last.ckpt", "notes.tmp", "writer.lock"]
+    assert (tmp_path / "last.ckpt").read_bytes() == b"good"
+    assert f"removed {tmp_path / 'last.ckpt.tmp'} (3.0 MiB), a checkpoint write" in capsys.readouterr().out
+
+
 def test_run_killed_before_its_first_checkpoint_is_closed_by_resume(tmp_path, store):
     copy_store(store, tmp_path)
     # Large enough that no checkpoint can exist yet when the run's folder appears.

@@ -546,7 +546,20 @@ def hold_run(directory: str | Path, run_id: str | None) -> RunLock:
         raise StorageError(f"cannot create the run's lock file {lock.path} ({error.strerror}); fix that folder") from None
     if not acquired:
         raise written_elsewhere(run_id, lock)
+    _remove_partial_writes(Path(directory))
     return lock
+
+
+def _remove_partial_writes(directory: Path) -> None:
+    """Remove the temporary files of checkpoint writes that a killed process left (kill -9 mid-write: as large as
+    the checkpoint). Only with the run's lock held, when no other process can be writing them; a link is not a
+    write's leftover and stays."""
+    for partial in sorted(directory.glob("*.ckpt.tmp")):
+        if partial.is_file() and not partial.is_symlink():
+            size = partial.stat().st_size
+            partial.unlink()
+            print(f"removed {partial} ({size / 2**20:.1f} MiB), a checkpoint write its process did not finish",
+                  flush=True)
 
 
 def written_elsewhere(run_id: str | None, lock: RunLock) -> ConfigError:
