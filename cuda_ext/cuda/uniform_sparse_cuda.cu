@@ -1,6 +1,6 @@
 // Host side of the uniform sparse op's CUDA kernels (uniform_sparse_kernels.cuh): argument checks, the
 // transposed inputs, the batch-chunk width, the launches, and the hand-over to the warp-per-label
-// candidates of the phases XMC_SPARSE_KERNELS names (uniform_sparse_rows_cuda.cu).
+// kernels in the phases XMC_SPARSE_KERNELS names (uniform_sparse_rows_cuda.cu; by default forward and input backward).
 #include <ATen/Dispatch.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>

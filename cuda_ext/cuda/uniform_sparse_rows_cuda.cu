@@ -1,9 +1,9 @@
-// Host side of the warp-per-label candidate kernels (uniform_sparse_rows_kernels.cuh), measured against
-// the op's own thread-per-label kernels (uniform_sparse_cuda.cu) by xmc_repro.bench (methods `uniform-rows`
-// and `uniform-rows-bf16`). Registered as xmc_bench::rows_forward / rows_backward_input /
-// rows_backward_weight, with the schemas of xmc_sparse::forward / backward_input / backward_weight; the op
-// runs them instead of its own in the phases of xmc_bench::use_rows_kernels(mask) (XMC_SPARSE_KERNELS=rows
-// or rows:<phases>), to measure them in training.
+// Host side of the warp-per-label kernels (uniform_sparse_rows_kernels.cuh), measured against the
+// thread-per-label kernels (uniform_sparse_cuda.cu) by xmc_repro.bench (methods `uniform-rows` and
+// `uniform-rows-bf16`). Registered as xmc_bench::rows_forward / rows_backward_input / rows_backward_weight,
+// with the schemas of xmc_sparse::forward / backward_input / backward_weight; the op runs them in the phases
+// of xmc_bench::use_rows_kernels(mask), which xmc_repro.sparse.op sets from XMC_SPARSE_KERNELS (unset:
+// forward and input backward).
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
