@@ -345,6 +345,16 @@ def test_unstructured_layer(device, distinct_sources):
         assert int(layer.indices[1].max()) < in_features and int(layer.indices[0].max()) < 80
 
 
+def test_unstructured_layer_refuses_second_derivatives_instead_of_wrong_ones():
+    """Its hand-written backward is first order only: a gradient penalty through it got silently wrong gradients
+    (the weights' was missing the term through the CSR values), so differentiating it again must raise."""
+    layer = UnstructuredSparseLinear(6, 5, 3, generator=_gen(0)).double()
+    x = torch.randn(2, 6, dtype=torch.float64, requires_grad=True)
+    grad_x, = torch.autograd.grad(layer(x).square().sum(), x, create_graph=True)
+    with pytest.raises(RuntimeError, match="UnstructuredSparseLinear is differentiable once.*use UniformSparseLinear"):
+        grad_x.square().sum().backward()
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_unstructured_layer_under_bf16_autocast_computes_in_float32(device):
     """bf16-mixed hands the head the intermediate layer's bf16 output: the CSR products run in the weights' float32

@@ -239,27 +239,46 @@ class _Structure:
         return _csr(self.crow_t, self.col_t, entries[self.perm_t], (self.shape[1], self.shape[0]))
 
 
+class _FirstOrderOnly(torch.autograd.Function):
+    """A first-order gradient of ``_CsrLinear``, in the graph of the tensors it was computed from (``sources``):
+    differentiating it again raises rather than returning a second derivative without its terms."""
+
+    @staticmethod
+    def forward(ctx, grad, *sources):
+        return grad.clone()
+
+    @staticmethod
+    def backward(ctx, _):
+        raise RuntimeError("UnstructuredSparseLinear is differentiable once (a gradient penalty or double backward "
+                           "asks for more); use UniformSparseLinear, whose op has exact derivatives of any order")
+
+
 class _CsrLinear(torch.autograd.Function):
-    """out = x @ W^T with W in CSR; backward: W^T-CSR product for x, sampled_addmm for the values."""
+    """out = x @ W^T with W in CSR; backward: W^T-CSR product for x, sampled_addmm for the values (first order
+    only: torch's CSR products hold no graph here, so a second derivative would miss terms and is refused)."""
 
     @staticmethod
     def forward(ctx, x, values, structure: _Structure):
         entries = structure.values(values)
-        ctx.save_for_backward(x, entries)
+        ctx.save_for_backward(x, values, entries)
         ctx.structure = structure
         return (structure.matrix(entries) @ x.t()).t()
 
     @staticmethod
     def backward(ctx, grad):
-        x, entries = ctx.saved_tensors
+        x, values, entries = ctx.saved_tensors
         s = ctx.structure
         grad_x = grad_values = None
-        if ctx.needs_input_grad[0]:
-            grad_x = (s.matrix_t(entries) @ grad.t()).t()
-        if ctx.needs_input_grad[1]:
-            pattern = _csr(s.crow, s.col, torch.zeros_like(entries), s.shape)
-            sampled = torch.sparse.sampled_addmm(pattern, grad.t().contiguous(), x.contiguous(), beta=0.0)
-            grad_values = s.slot_grads(sampled.values())
+        with torch.no_grad():
+            if ctx.needs_input_grad[0]:
+                grad_x = (s.matrix_t(entries) @ grad.t()).t()
+            if ctx.needs_input_grad[1]:
+                pattern = _csr(s.crow, s.col, torch.zeros_like(entries), s.shape)
+                sampled = torch.sparse.sampled_addmm(pattern, grad.t().contiguous(), x.contiguous(), beta=0.0)
+                grad_values = s.slot_grads(sampled.values())
+        if torch.is_grad_enabled():  # create_graph=True
+            grad_x, grad_values = (None if g is None else _FirstOrderOnly.apply(g, grad, x, values)
+                                   for g in (grad_x, grad_values))
         return grad_x, grad_values, None
 
 
