@@ -134,6 +134,14 @@ def test_deferred_initialisation_on_the_meta_device(layer_type, distinct):
 
 
 @pytest.mark.parametrize("layer_type", [UniformSparseLinear, UnstructuredSparseLinear])
+def test_an_unknown_init_is_refused_at_construction_also_on_the_meta_device(layer_type):
+    """Under torch.device("meta") no weights are drawn: the init must still be checked where it is given, not at a
+    reset_parameters that a layer loaded with assign=True never calls."""
+    with torch.device("meta"), pytest.raises(ValueError, match="init='glorot' is unknown; choose one of authors"):
+        layer_type(12, 7, 3, init="glorot")
+
+
+@pytest.mark.parametrize("layer_type", [UniformSparseLinear, UnstructuredSparseLinear])
 def test_a_seed_in_place_of_a_generator_is_named_and_a_tensor_fraction_taken(layer_type):
     with pytest.raises(SparseInputError, match=r"generator must be a torch.Generator or None, got int \(for a seed: "
                                                r"torch.Generator\(\).manual_seed\(0\)\)"):

@@ -25,6 +25,11 @@ def _uniform_(tensor: torch.Tensor, bound: float, generator: torch.Generator | N
     tensor.copy_(torch.rand(tensor.shape, generator=generator, dtype=tensor.dtype) * 2 * bound - bound)
 
 
+def check_init(init: str) -> None:
+    if init not in INITS:
+        raise ValueError(f"init={init!r} is unknown; choose one of {', '.join(INITS)}")
+
+
 @torch.no_grad()
 def init_sparse_(weight: torch.Tensor, bias: torch.Tensor | None, init: str, fan_in: int,
                  generator: torch.Generator | None = None) -> None:
@@ -35,8 +40,7 @@ def init_sparse_(weight: torch.Tensor, bias: torch.Tensor | None, init: str, fan
     ``fan_in``: U(+-1/sqrt(fan_in)) for weights and bias, the bound ``nn.Linear`` uses for this fan-in, which
     keeps the initial score variance independent of the number of labels.
     """
-    if init not in INITS:
-        raise ValueError(f"init={init!r} is unknown; choose one of {', '.join(INITS)}")
+    check_init(init)
     if init == "authors":
         _uniform_(weight, math.sqrt(3.0 / weight.numel()), generator)
         if bias is not None:
@@ -136,6 +140,7 @@ class UniformSparseLinear(_SavesItsSizes):
         super().__init__()
         in_features, out_features, connectivity = check_layer_sizes(in_features, out_features, connectivity)
         check_generator(generator)
+        check_init(init)  # here, not only where the weights are drawn: on the meta device that is later, if ever
         self.in_features, self.out_features, self.connectivity = in_features, out_features, connectivity
         self.distinct_sources, self.init = distinct_sources, init
         self.register_buffer("indices", torch.empty(connectivity, out_features, dtype=torch.int32))
@@ -311,6 +316,7 @@ class UnstructuredSparseLinear(_SavesItsSizes):
         super().__init__()
         in_features, out_features, connectivity = check_layer_sizes(in_features, out_features, connectivity)
         check_generator(generator)
+        check_init(init)  # here, not only where the weights are drawn: on the meta device that is later, if ever
         self.in_features, self.out_features, self.connectivity = in_features, out_features, connectivity
         self.distinct_sources, self.init = distinct_sources, init
         nnz = connectivity * out_features
