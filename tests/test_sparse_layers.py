@@ -106,6 +106,15 @@ def test_layers_refuse_inputs_of_another_width_or_dtype(layer_type):
     assert layer(torch.randn(2, 3, 1000)).shape == (2, 3, 50)
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_a_16_bit_unstructured_layer_is_told_to_stay_float32_on_the_cpu(dtype):
+    """layer.half() on the CPU met MKL's 'addmm_out_sparse_csr_impl_mkl not implemented for Half', which names
+    neither the layer nor the fix; now the same line as the uniform layer's."""
+    layer = UnstructuredSparseLinear(16, 9, 3, generator=_gen(0)).to(dtype)
+    with pytest.raises(SparseInputError, match=f"weight must be float32 or float64, got {dtype}.*layer.float"):
+        layer(torch.randn(2, 16))
+
+
 def test_uniform_layer_state_dict_roundtrip():
     a = UniformSparseLinear(30, 40, 4, generator=_gen(5))
     b = UniformSparseLinear(30, 40, 4, bias=True, generator=_gen(6))

@@ -9,7 +9,7 @@ from torch import nn
 
 from xmc_repro.validation import INITS
 
-from .checks import check_generator, check_layer_input, check_layer_sizes
+from .checks import SparseInputError, check_generator, check_layer_input, check_layer_sizes
 from .op import uniform_sparse_linear
 from .rewire import (distinct_positions, lowest_magnitude, random_positions, redraw_sources_,
                      redraw_with_replacement_, sample_uniform_sources)
@@ -352,6 +352,10 @@ class UnstructuredSparseLinear(_SavesItsSizes):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         check_layer_input(x, self.in_features)
+        if x.device.type == "cpu" and self.weight.dtype not in (torch.float32, torch.float64):  # e.g. layer.half()
+            raise SparseInputError(f"weight must be float32 or float64, got {self.weight.dtype}: torch's sparse CSR "
+                                   "products have no 16-bit CPU kernels; keep the layer's parameters in float32 "
+                                   "(layer.float()) and run 16-bit activations under torch.autocast")
         lead = x.shape[:-1]
         # In the weights' dtype, autocast or not (bf16-mixed hands over bf16 activations): torch's CSR products take
         # one dtype, and MKL's have no bf16 at all. So the layer computes as the uniform op does under autocast.
