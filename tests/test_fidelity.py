@@ -157,6 +157,23 @@ def test_keras_adam_is_the_keras_update_and_resumes_where_it_stopped(device, fus
     torch.testing.assert_close(resumed, expected, rtol=1e-10, atol=0)
 
 
+def test_keras_adam_does_not_count_a_step_that_a_grad_scaler_skipped():
+    """fp16 training: GradScaler hands a fused optimizer `found_inf` and the step skips itself, so torch's step count
+    stays. Keras's epsilon counted the step anyway, and every later update used the epsilon of a later step."""
+    torch.manual_seed(0)
+    start = torch.randn(7, 13, dtype=torch.float64) * 1e-3
+    grads = [torch.randn(7, 13, dtype=torch.float64) * 1e-7 for _ in range(3)]  # near epsilon, where it shows
+    param = nn.Parameter(start.clone())
+    optimizer, scaler = KerasAdam([param], fused=True), torch.amp.GradScaler("cpu", init_scale=4.0)
+    for g in (grads[0], torch.full_like(start, math.inf), *grads[1:]):
+        param.grad = None
+        scaler.scale((param * g).sum()).backward()  # gradient g, scaled
+        scaler.step(optimizer)
+        scaler.update()
+    assert optimizer.param_groups[0]["keras_steps"] == int(optimizer.state[param]["step"]) == 3
+    torch.testing.assert_close(param.detach(), _keras_adam_steps(start, grads), rtol=1e-10, atol=0)
+
+
 def test_tfidf_against_a_direct_computation():
     rng = np.random.default_rng(0)
     counts = (rng.random((30, 12)) < 0.3) * rng.integers(1, 5, (30, 12))

@@ -7,7 +7,7 @@ Keras adds its epsilon to sqrt(v) before the bias correction ("epsilon hat" in K
 torch adds it after. Both are the same update once torch's epsilon is eps / sqrt(1 - b2^t): 32 times Keras's at
 the first step, 2.7 times after 153 steps (one Bibtex epoch), within 1 % of it from step 3,925 on. `KerasAdam`
 sets that epsilon before each of torch's own steps (fused on CUDA and CPU), from a step count kept on the host, so
-nothing is read back from the device.
+nothing is read back from the device (except GradScaler's `found_inf`, whose skipped steps do not count).
 """
 
 from __future__ import annotations
@@ -35,6 +35,10 @@ class KerasAdam(torch.optim.Adam):
 
 def _keras_epsilon(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
     """Before step t: torch's epsilon that makes its update Keras's."""
+    # GradScaler sets it on a fused optimizer for the step, which skips itself on inf gradients (torch's count stays).
+    found_inf = getattr(optimizer, "found_inf", None)
+    if found_inf is not None and bool(found_inf):  # one read, as GradScaler's unfused path makes at every step
+        return
     for group in optimizer.param_groups:
         keras_eps = group.setdefault("keras_eps", group["eps"])  # the group's own epsilon, before the first step
         group["keras_steps"] = group.get("keras_steps", 0) + 1
