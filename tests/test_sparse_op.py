@@ -387,6 +387,25 @@ def test_torch_compile_of_a_model_is_the_ops_first_use():
     assert float(out.stdout.split()[-1]) == 0.0
 
 
+def test_an_exported_program_loads_in_a_fresh_process_once_the_ops_are_registered(tmp_path):
+    """torch.export.load resolves torch.ops.xmc_sparse.* by name; the ops exist once `backend()` (or any first use)
+    has registered them, as the README says."""
+    from xmc_repro.sparse import UniformSparseLinear
+
+    layer = UniformSparseLinear(16, 33, 4, generator=torch.Generator().manual_seed(0))
+    x = torch.randn(5, 16, generator=torch.Generator().manual_seed(1))
+    torch.export.save(torch.export.export(layer, (x,)), tmp_path / "layer.pt2")
+    torch.save({"x": x, "out": layer(x).detach()}, tmp_path / "io.pt")
+    code = ("import sys, torch, xmc_repro.sparse; xmc_repro.sparse.backend('cpu');"
+            "p=torch.export.load(sys.argv[1]); io=torch.load(sys.argv[2]);"
+            "print(float((p.module()(io['x'])-io['out']).abs().max()))")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
+    out = subprocess.run([sys.executable, "-c", code, str(tmp_path / "layer.pt2"), str(tmp_path / "io.pt")], env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert float(out.stdout.split()[-1]) == 0.0
+
+
 def test_check_indices_under_torch_compile():
     """check_indices=True (as XMC_SPARSE_CHECK_INDICES=1) traces: an in-range call runs, an index outside raises."""
     torch._dynamo.reset()
