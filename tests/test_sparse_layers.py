@@ -133,6 +133,8 @@ def test_deferred_initialisation_on_the_meta_device(layer_type, distinct):
     with torch.device("meta"):
         layer = layer_type(12, 7, 3, distinct_sources=distinct)
     assert layer.weight.is_meta and layer.indices.is_meta
+    out = layer(torch.empty(2, 4, 12, device="meta"))  # shape inference before any value exists
+    assert out.is_meta and out.shape == (2, 4, 7) and out.dtype == torch.float32
     layer = layer.to_empty(device="cpu")
     layer.reset_parameters(_gen(4))
     direct = layer_type(12, 7, 3, generator=_gen(4), distinct_sources=distinct)

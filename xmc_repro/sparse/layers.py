@@ -357,6 +357,8 @@ class UnstructuredSparseLinear(_SavesItsSizes):
                                    "products have no 16-bit CPU kernels; keep the layer's parameters in float32 "
                                    "(layer.float()) and run 16-bit activations under torch.autocast")
         lead = x.shape[:-1]
+        if x.device.type == "meta":  # shape inference on a layer built under torch.device("meta"): no CSR products
+            return x.new_empty((*lead, self.out_features), dtype=self.weight.dtype)
         # In the weights' dtype, autocast or not (bf16-mixed hands over bf16 activations): torch's CSR products take
         # one dtype, and MKL's have no bf16 at all. So the layer computes as the uniform op does under autocast.
         x2 = x.reshape(-1, x.shape[-1]).to(self.weight.dtype)
