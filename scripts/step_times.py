@@ -46,13 +46,27 @@ def cli(argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv)
     if "://" not in args.store and args.store.endswith(".db"):  # a path: MLflow would take it for a file store
         args.store = f"sqlite:///{Path(args.store).resolve()}"
-    # MLflow creates a missing SQLite store (and its folder): a mistyped path printed an empty table, exit 0.
-    from xmc_repro.tracking import sqlite_path
+    # MLflow creates a missing SQLite store (and its folder): a mistyped path printed an empty table, exit 0; and it
+    # wrote its tables into another SQLite file (another project's database).
+    from xmc_repro import tracking
+    from xmc_repro.errors import ConfigError
 
-    database = sqlite_path(args.store)
+    fix = "give the store the runs logged to (their MLFLOW_TRACKING_URI)"
+    try:
+        tracking.check_store(args.store, setting="")  # a folder, a server that does not answer: not minutes of retries
+    except ConfigError as error:
+        ap.error(str(error))
+    database = tracking.sqlite_path(args.store)
     if database is not None and not database.is_file():
-        ap.error(f"{args.store}: no such database; give the store the runs logged to (their MLFLOW_TRACKING_URI)")
-    main(args.store)
+        ap.error(f"{args.store}: no such database; {fix}")
+    problem = tracking.not_a_store(database) if database is not None else None
+    if problem:
+        ap.error(f"{args.store}: {problem}, not an MLflow store; {fix}")
+    try:
+        main(args.store)
+    except Exception as error:  # a file store, an unknown scheme, an old schema: MLflow's long tracebacks
+        reason = " ".join(f"{type(error).__name__}: {error}".split())[:200]
+        ap.error(f"{args.store}: cannot read runs from this MLflow store ({reason}); {fix}")
 
 
 if __name__ == "__main__":

@@ -244,3 +244,25 @@ def test_the_step_times_script_refuses_a_missing_store_instead_of_creating_it(tm
     with pytest.raises(SystemExit) as info:
         step_times.cli(["--help"])  # was taken for a store
     assert info.value.code == 0 and "usage:" in capsys.readouterr().out
+
+
+def test_the_step_times_script_leaves_another_programs_database_untouched(tmp_path, capsys):
+    """MLflow wrote its whole schema (some 200 tables) into any SQLite file given as the store, then printed an
+    empty table, exit 0; a file that is no database ended in a traceback."""
+    import sqlite3
+
+    step_times = _step_times_script()
+    other, junk, empty = tmp_path / "other.db", tmp_path / "junk.db", tmp_path / "empty.db"
+    with sqlite3.connect(other) as db:
+        db.execute("CREATE TABLE t (x)")
+    junk.write_text("not a database")
+    empty.touch()
+    for path, why in ((other, "without MLflow's tables"), (empty, "without MLflow's tables"),
+                      (junk, "not an SQLite database")):
+        before = path.read_bytes()
+        with pytest.raises(SystemExit) as info:
+            step_times.cli([str(path)])
+        err = capsys.readouterr().err
+        assert info.value.code == 2 and f"{path}: " in err and why in err and "not an MLflow store" in err, err
+        assert path.read_bytes() == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["empty.db", "junk.db", "other.db"]

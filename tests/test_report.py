@@ -849,6 +849,28 @@ def test_a_missing_records_folder_or_an_unreadable_store_is_one_line(tmp_path, c
     assert all(line.startswith("error: ") and "cannot read runs from this MLflow store" in line for line in errors[1:])
 
 
+def test_records_add_leaves_another_programs_database_untouched(tmp_path, capsys):
+    """MLflow wrote its whole schema into any SQLite file given as the store (another project's database, an empty
+    file) and `records add` reported 0 records from it."""
+    import sqlite3
+
+    from xmc_repro.report.__main__ import main
+
+    (tmp_path / "records").mkdir()
+    other, empty = tmp_path / "other.db", tmp_path / "empty.db"
+    with sqlite3.connect(other) as db:
+        db.execute("CREATE TABLE t (x)")
+    empty.touch()
+    for path in (other, empty):
+        before = path.read_bytes()
+        assert main(["records", "add", f"sqlite:///{path}", "--dir", str(tmp_path / "records")]) == 2
+        assert capsys.readouterr().err == (f"error: sqlite:///{path}: an SQLite database without MLflow's tables "
+                                           "(another program's, or empty), not an MLflow store; pass the store that "
+                                           "holds the runs, e.g. sqlite:///gpu.db\n")
+        assert path.read_bytes() == before
+    assert not list((tmp_path / "records").iterdir())
+
+
 def test_records_add_into_a_folder_that_does_not_exist_is_refused_in_one_line(tmp_path, empty_store, capsys):
     """A mistyped --dir started a new folder and wrote the store's records there, where no export reads them."""
     from mlflow.entities import Param, RunTag

@@ -178,6 +178,25 @@ def sqlite_path(tracking_uri: str) -> Path | None:
     return Path(path) if path and path != ":memory:" else None
 
 
+def not_a_store(path: Path) -> str | None:
+    """Why the existing file `path` is no MLflow sqlite store, or None when it is one. For tools that only read
+    runs: MLflow writes its whole schema into any SQLite file it is given (another project's database, an empty
+    file), so the file is looked at read-only first."""
+    import sqlite3
+
+    try:
+        db = sqlite3.connect(f"{Path(path).resolve().as_uri()}?mode=ro", uri=True)
+        try:
+            tables = {name for (name,) in db.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
+        finally:
+            db.close()
+    except sqlite3.Error as error:
+        return f"not an SQLite database ({error})"
+    if not {"alembic_version", "experiments", "runs"} <= tables:
+        return "an SQLite database without MLflow's tables (another program's, or empty)"
+    return None
+
+
 @contextmanager
 def store_lock(tracking_uri: str, while_waiting=None):
     """Exclusive lock on `<db>.lock` while a process first touches a sqlite store (schema, experiment).

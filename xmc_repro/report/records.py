@@ -237,10 +237,15 @@ def skipped_line(skipped: dict[str, int], unusable: list[str] = ()) -> str:
 
 
 def _check_store(uri: str) -> None:
-    """A sqlite store that does not exist would be created empty by MLflow: refuse it instead."""
+    """A sqlite store that does not exist would be created empty by MLflow, and another SQLite file would get MLflow's
+    tables written into it: refuse both instead."""
     from xmc_repro import tracking
 
     tracking.check_store(uri, setting="")  # a folder, a silent server: one line in seconds, not minutes of retries
     path = tracking.sqlite_path(uri)
     if path is not None and not path.is_file():
         raise DataError(f"{uri}: no such MLflow store; pass the store that holds the runs, e.g. sqlite:///gpu.db")
+    problem = tracking.not_a_store(path) if path is not None else None
+    if problem:
+        raise DataError(f"{uri}: {problem}, not an MLflow store; pass the store that holds the runs, e.g. "
+                        "sqlite:///gpu.db")
