@@ -87,6 +87,7 @@ def test_model_step_benchmark_refuses_an_unknown_precision(capsys):
     (["--model", "--max-cases", "1"], "--max-cases applies to the layer benchmark only"),
     (["--methods", ""], "--methods '': give a comma list without empty items"),  # ran every method on every case
     (["--model", "--precision", "32-true,,bf16-mixed"], "give a comma list without empty items"),
+    (["--model", "--precision", "16-mixed"], "--precision: 16-mixed is not one of 32-true, bf16-mixed"),  # made --out
 ])
 def test_bad_arguments_are_refused_before_anything_is_written(args, message, tmp_path, capsys, monkeypatch):
     """A typo in --methods wrote result files without results over the committed ones; 0 or negative sizes failed

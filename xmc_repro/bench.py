@@ -594,6 +594,9 @@ def _main(argv: list[str] | None = None) -> int:
         if unknown:  # a typo would write result files without results over the committed ones
             ap.error(f"--methods: {', '.join(unknown)} is not one of {', '.join(known)}"
                      + ("" if on_gpu else f" ({', '.join(ON_REQUEST)}: on a GPU only)"))
+    unknown = set((args.precision or "").split(",")) - {"", "32-true", "bf16-mixed"}
+    if unknown:  # before --out is created
+        ap.error(f"--precision: {', '.join(sorted(unknown))} is not one of 32-true, bf16-mixed")
     problem = usable_out(Path(args.out))
     if problem:
         ap.error(f"--out {args.out}: cannot write results there ({problem}); give a writable folder")
@@ -605,9 +608,6 @@ def _main(argv: list[str] | None = None) -> int:
         steps = args.steps or (50 if on_gpu else 5)
         given = args.precision or ("32-true,bf16-mixed" if on_gpu else "32-true")
         precisions = tuple(dict.fromkeys(given.split(",")))  # a repeat would pair the ratios' rows wrongly
-        unknown = set(precisions) - {"32-true", "bf16-mixed"}
-        if unknown:
-            ap.error(f"--precision: {', '.join(sorted(unknown))} is not one of 32-true, bf16-mixed")
         return bench_model.run(device, scale, steps, args.warmup if args.warmup is not None else (5 if on_gpu else 1),
                                Path(args.out), args.profile, precisions)
     cases = paper_cases() if (args.full or device.type == "cuda") else cpu_cases()
