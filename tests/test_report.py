@@ -1010,6 +1010,7 @@ def _damage(text: str, how: str) -> str:
         ("paper_results.csv", "word", r"paper_results\.csv:2: runs is 'n/a', not a number; .*git checkout -- "),
         ("data_missing.json", "word", r"data_missing\.json: not valid JSON"),
         ("data_missing.json", "list", r"data_missing\.json: not an object of dataset names"),
+        ("data_missing.json", "folder", r"data_missing\.json: cannot be read \(Is a directory\); write it again"),
     ],
 )  # fmt: skip
 def test_a_damaged_report_input_is_one_line_naming_the_file_and_line(tmp_path, capsys, name, how, message):
@@ -1025,6 +1026,9 @@ def test_a_damaged_report_input_is_one_line_naming_the_file_and_line(tmp_path, c
         target.unlink()
     elif how == "list":
         target.write_text("[]\n")
+    elif how == "folder":  # IsADirectoryError's traceback
+        target.unlink()
+        target.mkdir()
     elif name.endswith(".json"):
         target.write_text('{"Bibtex": \n')
     else:

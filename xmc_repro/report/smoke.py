@@ -138,6 +138,8 @@ def read_data_missing(path: Path) -> dict[str, str]:
         missing = json.loads(path.read_text(encoding="utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError) as error:
         raise DataError(f"{path}: not valid JSON ({error}); {remedy}") from None
+    except OSError as error:  # a folder, no permission: was a traceback
+        raise DataError(f"{path}: cannot be read ({error.strerror or error}); {remedy}") from None
     if not isinstance(missing, dict) or not all(isinstance(v, str) for v in missing.values()):
         raise DataError(f"{path}: not an object of dataset names and the paths looked at; {remedy}")
     return missing
