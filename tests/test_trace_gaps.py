@@ -60,3 +60,21 @@ def test_report_per_step(tmp_path):
     assert text.index("optimizer: -") < text.index("positives: -")  # largest first
     assert "cudaStreamSynchronize x0.5 per step (0.005 ms)" in text
     assert trace_gaps.report([_x("cpu_op", "aten::add", 0, 1, HOST)], steps=1) == "no device activity in the trace\n"
+
+
+def test_an_interrupted_trace_export_leaves_the_earlier_trace_whole(tmp_path):
+    """torch.profiler gzips the trace in place: a Ctrl+C during the export left a truncated file over the last run's
+    trace (bench --model --profile, trainer.profile_steps)."""
+    class Profiler:  # writes half a trace, then is interrupted
+        def export_chrome_trace(self, path):
+            with gzip.open(path, "wt") as f:
+                f.write('{"traceEvents": [')
+            raise KeyboardInterrupt
+
+    trace = tmp_path / "profile-trace.json.gz"
+    with gzip.open(trace, "wt") as f:
+        json.dump({"traceEvents": []}, f)
+    before = trace.read_bytes()
+    with pytest.raises(KeyboardInterrupt):
+        trace_gaps.profile_report(Profiler(), trace, 1, cuda=False)
+    assert trace.read_bytes() == before and [p.name for p in tmp_path.iterdir()] == [trace.name]

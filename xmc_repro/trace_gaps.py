@@ -16,6 +16,7 @@ from __future__ import annotations
 import bisect
 import gzip
 import json
+import os
 from collections import Counter, defaultdict
 from dataclasses import dataclass
 from pathlib import Path
@@ -138,7 +139,15 @@ def report(events: list[dict], steps: int, min_us: float = 2.0, top: int = 12) -
 def profile_report(profiler, trace: Path, steps: int, cuda: bool) -> tuple[str, str]:
     """For a stopped torch.profiler over ``steps`` steps: writes its Chrome trace to ``trace`` and returns (on a GPU
     the idle-gap report, else "", the top ops)."""
-    profiler.export_chrome_trace(str(trace))
+    trace = Path(trace)
+    # torch writes (gzips) the trace in place: a Ctrl+C or a full disk meanwhile left a truncated one over the
+    # earlier run's. A temporary file beside it, with the same ending (torch gzips by it), is renamed once whole.
+    tmp = trace.with_name(f".{trace.stem}.{os.getpid()}.tmp{trace.suffix}")
+    try:
+        profiler.export_chrome_trace(str(tmp))
+        os.replace(tmp, trace)
+    finally:
+        tmp.unlink(missing_ok=True)
     gaps = report(load(trace), max(steps, 1)) if cuda else ""
     table = profiler.key_averages().table(sort_by="self_cuda_time_total" if cuda else "self_cpu_time_total",
                                           row_limit=25, max_name_column_width=60)
