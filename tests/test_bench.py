@@ -202,6 +202,20 @@ def test_an_unusable_out_folder_is_refused_in_one_line_before_anything_is_timed(
         assert info.value.code == 2 and f"--out {out}: cannot write results there" in err and "Traceback" not in err
 
 
+def test_candidate_kernels_are_refused_before_anything_is_timed_without_compiled_cuda(tmp_path, capsys, monkeypatch):
+    """On a GPU whose CUDA kernels did not build (the op falls back to the reference), --methods uniform-rows ended
+    in a traceback (no xmc_bench ops) after the other methods had been timed, and nothing was written."""
+    from xmc_repro.sparse import op
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(op, "backend", lambda device=None: "reference")
+    monkeypatch.setattr(bench, "copy_bandwidth", lambda *a, **k: pytest.fail("timed before refusing --methods"))
+    with pytest.raises(SystemExit) as info:
+        bench.main(["--device", "cuda", "--methods", "uniform,uniform-rows,csr", "--out", str(tmp_path)])
+    assert info.value.code == 2 and "--methods uniform-rows: needs the compiled CUDA kernels, but the op runs " \
+        "reference here" in capsys.readouterr().err
+
+
 def _fake_layer_run(monkeypatch):
     """The layer benchmark's main without timing anything: one canned row per call."""
     monkeypatch.setattr(bench, "copy_bandwidth", lambda device: 1e10)

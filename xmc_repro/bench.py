@@ -601,6 +601,11 @@ def _main(argv: list[str] | None = None) -> int:
     if problem:
         ap.error(f"--out {args.out}: cannot write results there ({problem}); give a writable folder")
     sparse_op.ensure_registered()
+    backend = sparse_op.backend(device)
+    kernels = [m for m in (args.methods or "").split(",") if m in ON_REQUEST]
+    if kernels and not backend.startswith("compiled-cuda"):  # they failed after the others ran
+        ap.error(f"--methods {','.join(kernels)}: needs the compiled CUDA kernels, but the op runs {backend} here "
+                 "(why is in the warning above); drop them or fix the build")
     if args.model:
         from xmc_repro import bench_model
 
