@@ -219,6 +219,7 @@ def _csr_pair(rows, cols, values, shape):
 
 def build_method(name: str, case: Case, p: dict, device) -> dict:
     """Callables per phase for one method, or {"skip": reason}."""
+    sparse_op.ensure_registered()  # torch.ops.xmc_sparse / xmc_bench exist only from here on
     x, idx, w, b, g = p["x"], p["idx"], p["w"], p["b"], p["g"]
     wp, bp = torch.nn.Parameter(w.clone()), torch.nn.Parameter(b.clone())
     if name in ON_REQUEST:
