@@ -239,11 +239,42 @@ def test_the_step_times_script_refuses_a_missing_store_instead_of_creating_it(tm
     assert not missing.parent.exists()
     store = tmp_path / "runs.db"
     MlflowClient(f"sqlite:///{store}").search_experiments()  # an existing store, named with sqlite's options
-    step_times.cli([f"sqlite:///{store}?timeout=5"])
-    assert "no such database" not in capsys.readouterr().err
+    with pytest.raises(SystemExit) as info:  # empty: was a table's header alone, exit 0
+        step_times.cli([f"sqlite:///{store}?timeout=5"])
+    assert info.value.code == 2 and capsys.readouterr().err.endswith(
+        f"error: sqlite:///{store}?timeout=5: none of its 0 runs has a train/ms_per_step curve; give the store the "
+        "runs logged to (their MLFLOW_TRACKING_URI)\n")
     with pytest.raises(SystemExit) as info:
         step_times.cli(["--help"])  # was taken for a store
     assert info.value.code == 0 and "usage:" in capsys.readouterr().out
+
+
+def test_the_step_times_script_reads_every_page_of_runs(capsys, monkeypatch):
+    """MLflow returns at most 1,000 runs a call: a sweep's later runs were silently left out of the table."""
+    import mlflow.tracking
+    from mlflow.entities import Metric
+    from mlflow.store.entities import PagedList
+
+    class Client:  # 3 runs, 2 a page
+        def __init__(self, store):
+            pass
+
+        def search_experiments(self):
+            return [type("Experiment", (), {"experiment_id": "0"})]
+
+        def search_runs(self, experiments, order_by=None, page_token=None):
+            start = int(page_token or 0)
+            runs = [type("Run", (), {"info": type("Info", (), {"run_id": f"run{i}abcd", "run_name": f"n{i}"}),
+                                     "data": type("Data", (), {"params": {}, "tags": {}})}) for i in range(3)]
+            return PagedList(runs[start:start + 2], str(start + 2) if start + 2 < 3 else None)
+
+        def get_metric_history(self, run_id, key):
+            return [Metric(key, 5.0, 0, 1)]
+
+    monkeypatch.setattr(mlflow.tracking, "MlflowClient", Client)
+    assert _step_times_script().main("bogus://store") == (3, 3)
+    rows = capsys.readouterr().out.splitlines()[2:]
+    assert [row[:10] for row in rows] == ["| `run0abc", "| `run1abc", "| `run2abc"]
 
 
 def test_the_step_times_script_leaves_another_programs_database_untouched(tmp_path, capsys):
