@@ -43,6 +43,28 @@ def test_model_step_benchmark_writes_both_models(tmp_path):
         assert phases.count(phase) == 2, (way, phases)
 
 
+def test_the_model_benchmark_shows_progress_while_it_profiles(tmp_path, capsys, monkeypatch):
+    """--profile ran its profiles (minutes on a GPU) without a word until the end."""
+    from xmc_repro import bench_model
+
+    def timed(shape, device, steps, warmup, *rest, **kw):
+        return {"model": shape.name, "way": "eager", "precision": "32-true", "labels": shape.labels,
+                "intermediate": shape.intermediate, "parameters": 1, "step_ms": 1.0}
+
+    def profiled(shape, device, way, precision, *a):
+        print(f"PROFILE {way} {precision}")
+        return "", ""
+
+    monkeypatch.setattr(bench_model, "measure", timed)
+    monkeypatch.setattr(bench_model, "measure_lightning", timed)
+    monkeypatch.setattr(bench_model, "profile", profiled)
+    assert bench.main(["--model", "--device", "cpu", "--scale", "0.0005", "--profile", "3",
+                       "--out", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    for way in ("eager", "lightning"):
+        assert f"  profiling uniform, {way}, 32-true: 3 steps ...\nPROFILE {way} 32-true" in out
+
+
 def test_a_uniform_step_slower_than_dense_reads_as_slower():
     from xmc_repro.bench_model import markdown
 

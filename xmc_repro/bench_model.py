@@ -446,9 +446,12 @@ def run(device, scale: float, steps: int, warmup: int, out: Path, profile_steps:
     print(text)
     if profile_steps:
         uniform = paper_models(scale)[1]
-        reports = [profile(uniform, device, way, precision, profile_steps, warmup,
-                           out / f"{name}-trace-{way}-{precision}.json.gz")
-                   for precision in precisions for way in ways]
+        reports = []
+        for precision in precisions:
+            for way in ways:  # minutes on a GPU, silent until the end before
+                print(f"  profiling {uniform.name}, {way}, {precision}: {profile_steps} steps ...", flush=True)
+                reports.append(profile(uniform, device, way, precision, profile_steps, warmup,
+                                       out / f"{name}-trace-{way}-{precision}.json.gz"))
         write_results({out / f"{name}-profile.txt": "".join(summary + table for summary, table in reports)})
         print("".join(summary for summary, _ in reports) + f"(tables in {out / name}-profile.txt)")
     return 0
