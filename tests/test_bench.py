@@ -121,6 +121,13 @@ def test_bad_arguments_are_refused_before_anything_is_written(args, message, tmp
     assert not (tmp_path / "out").exists()
 
 
+def test_a_bad_kernels_setting_is_refused_before_out_is_made(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("XMC_SPARSE_KERNELS", "bogus")
+    assert bench.main(["--device", "cpu", "--out", str(tmp_path / "out")]) == 2
+    assert "XMC_SPARSE_KERNELS='bogus' must be threads, rows, or rows:<phases>" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+
+
 def test_layer_baselines_agree_with_the_reference():
     case = bench.Case(300, 64, 5, 7, "bce", bench.ALL)
     p = bench.make_problem(case, torch.device("cpu"))
