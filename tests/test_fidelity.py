@@ -174,6 +174,23 @@ def test_keras_adam_does_not_count_a_step_that_a_grad_scaler_skipped():
     torch.testing.assert_close(param.detach(), _keras_adam_steps(start, grads), rtol=1e-10, atol=0)
 
 
+def test_keras_adam_goes_on_from_the_steps_of_a_torch_adam_state():
+    """A torch Adam's state loaded into KerasAdam: Keras's step count restarted at 1 while torch's bias correction
+    went on from its own, so epsilon and bias correction belonged to different steps."""
+    param = nn.Parameter(torch.zeros(4))
+    adam = torch.optim.Adam([param], eps=1e-7)
+    for _ in range(3):
+        param.grad = torch.ones(4)
+        adam.step()
+    keras = KerasAdam([param])
+    keras.load_state_dict(adam.state_dict())
+    param.grad = torch.ones(4)
+    keras.step()
+    group = keras.param_groups[0]
+    assert group["keras_steps"] == int(keras.state[param]["step"]) == 4
+    assert group["eps"] == pytest.approx(1e-7 / math.sqrt(1 - 0.999**4))
+
+
 def test_tfidf_against_a_direct_computation():
     rng = np.random.default_rng(0)
     counts = (rng.random((30, 12)) < 0.3) * rng.integers(1, 5, (30, 12))

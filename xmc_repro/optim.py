@@ -31,6 +31,16 @@ class KerasAdam(torch.optim.Adam):
         # A step pre-hook rather than an override of `step`: torch wraps every optimizer class's `step` with the
         # hooks, so an override that calls Adam's would run each hook twice.
         self.register_step_pre_hook(_keras_epsilon)
+        self.register_load_state_dict_post_hook(_keras_steps_from_torch)
+
+
+def _keras_steps_from_torch(optimizer: torch.optim.Optimizer) -> None:
+    """A state saved by torch's own Adam has no Keras step count: it goes on from torch's, as the bias correction
+    does (it restarted at 1: a first step's epsilon at step 4). Read from the state once, when it is loaded."""
+    for group in optimizer.param_groups:
+        steps = [optimizer.state[p]["step"] for p in group["params"] if "step" in optimizer.state.get(p, {})]
+        if "keras_steps" not in group and steps:
+            group["keras_steps"] = int(max(float(step) for step in steps))
 
 
 def _keras_epsilon(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
