@@ -6,8 +6,9 @@
 # 2. runs every `cuda`-marked test,
 # 3. the layer benchmark at the headline shape (670,091 labels, 16,384 inputs, 32, batch 32; squared-hinge and BCE
 #    gradients), float32 and bf16 inputs, the op on its thread-per-label kernels (XMC_SPARSE_KERNELS=threads)
-#    beside the warp-per-label ones (uniform-rows), torch CSR and dense, with the L2 read bandwidth of the probe
-#    kernel; its last line names the faster kernels per phase,
+#    beside the warp-per-label ones (uniform-rows; and their forward with 2 or 4 connections' gathers in flight,
+#    uniform-rows-unroll2/4), torch CSR and dense, with the L2 read bandwidth of the probe kernel; its last line
+#    names the faster kernels per phase,
 # 4. memory: 20,000 points of the pipeline at Amazon-670K's shape with a rewiring every 50 steps, graphed and
 #    eager (trainer.cuda_graph=false), each with what was allocated at its peak (trainer.memory_report),
 # 5. the whole-model step, dense beside uniform (eager, CUDA graph, Lightning; 32-true and bf16-mixed), Amazon-670K
@@ -94,7 +95,8 @@ print(op.ensure_registered(), 'archs', build.cuda_archs(), f'first load (compile
 step tests 200 python3 -m pytest -m cuda ${TESTS:-tests} -q -p no:cacheprovider
 # the op on its thread-per-label kernels in every phase, beside the warp-per-label ones: which is faster where
 step layer 100 env XMC_SPARSE_KERNELS=threads python3 -m xmc_repro.bench --device cuda --out results/bench \
-  --max-cases ${LAYER_CASES:-2} --methods uniform,uniform-bf16,uniform-rows,uniform-rows-bf16,csr,dense
+  --max-cases ${LAYER_CASES:-2} \
+  --methods uniform,uniform-bf16,uniform-rows,uniform-rows-bf16,uniform-rows-unroll2,uniform-rows-unroll4,csr,dense
 for graph in true false; do  # their own MLflow store: diagnostics, not records (recording slows every allocation)
   step "memory-graph-$graph" 90 env MLFLOW_TRACKING_URI="sqlite:///$LOGS/memory_runs.db" python3 -m xmc_repro \
     dataset=synthetic_amazon670k dataset.num_train=20000 dataset.num_test=10000 dataset.rewire_every_n_steps=50 trainer.max_epochs=1 trainer.progress_bar=false \

@@ -69,7 +69,7 @@ def emulated(binary, tmp_path):
     ((17, 64, 33, 32), 0.0, torch.float32),
     ((5, 9, 70, 3), 0.3, torch.float64),
 ], ids=lambda v: "x".join(map(str, v)) if isinstance(v, tuple) else str(v))
-@pytest.mark.parametrize("family", ["threads", "rows"])
+@pytest.mark.parametrize("family", ["threads", "rows", "rows-unroll2", "rows-unroll4"])
 def test_kernel_source_matches_the_reference(emulated, family, shape, density, dtype):
     x, idx, w, b, g = sparse_layer_problem(*shape, density, dtype, seed=sum(shape))
     scores, grad_x, grad_wb = emulated(family, x, idx, w, b, g)
@@ -78,7 +78,16 @@ def test_kernel_source_matches_the_reference(emulated, family, shape, density, d
     torch.testing.assert_close(grad_wb, reference.backward_weight(g, x, idx))  # weights and bias
 
 
-@pytest.mark.parametrize("family", ["threads", "rows"])
+def test_the_unrolled_forwards_sum_in_the_same_order(emulated):
+    """The benchmark's forward variants issue more gathers before summing, but add the connections in the same
+    order: the same bits as the op's warp-per-label forward."""
+    x, idx, w, b, g = sparse_layer_problem(7, 90, 70, 37, 1.0, torch.float32, seed=11)
+    scores = emulated("rows", x, idx, w, b, g)[0]
+    for family in ("rows-unroll2", "rows-unroll4"):
+        assert torch.equal(emulated(family, x, idx, w, b, g)[0], scores), family
+
+
+@pytest.mark.parametrize("family", ["threads", "rows", "rows-unroll4"])
 def test_kernel_source_gathers_bf16_inputs_as_their_float32_values(emulated, family):
     x, idx, w, b, g = sparse_layer_problem(9, 50, 40, 6, 0.3, torch.float32, seed=5)
     xb = x.bfloat16()

@@ -46,6 +46,8 @@ def test_rows_kernels_match_the_reference_and_the_op(ops, shape, density, dtype)
         out = ops.rows_forward(x, idx, w, bias)
         torch.testing.assert_close(out, reference.forward(x, idx, w, bias))
         torch.testing.assert_close(out, op.forward(x, idx, w, bias))
+        for unrolled in (ops.rows_forward_unroll2, ops.rows_forward_unroll4):  # the benchmark's variants
+            assert torch.equal(unrolled(x, idx, w, bias), out)  # more gathers in flight, the same sum order
     grad_x = ops.rows_backward_input(g, idx, w, inputs)
     torch.testing.assert_close(grad_x, reference.backward_input(g, idx, w, inputs))
     torch.testing.assert_close(grad_x, op.backward_input(g, idx, w, inputs))

@@ -62,10 +62,13 @@ class Case:
 
 ALL = ("uniform", "reference", "csr", "coo", "dense")
 # Not in ALL (CUDA only, on request): our op with bf16 inputs, as bf16-mixed training hands them to it, and the
-# warp-per-label candidate kernels (xmc_bench::rows_*, cuda_ext/cuda/uniform_sparse_rows_cuda.cu) with float32
-# and bf16 inputs.
+# warp-per-label kernels (xmc_bench::rows_*, cuda_ext/cuda/uniform_sparse_rows_cuda.cu) with float32 and bf16
+# inputs, in every phase.
 BF16, ROWS, ROWS_BF16 = "uniform-bf16", "uniform-rows", "uniform-rows-bf16"
-ON_REQUEST = (BF16, ROWS, ROWS_BF16)
+# The warp-per-label forward with 2 or 4 connections' gathers issued before their sums (forward only): whether
+# more gathers in flight speed it up (cuda_ext/README.md)
+UNROLLED = ("uniform-rows-unroll2", "uniform-rows-unroll4")
+ON_REQUEST = (BF16, ROWS, ROWS_BF16, *UNROLLED)
 
 
 def paper_cases() -> list[Case]:
@@ -222,6 +225,9 @@ def build_method(name: str, case: Case, p: dict, device) -> dict:
     sparse_op.ensure_registered()  # torch.ops.xmc_sparse / xmc_bench exist only from here on
     x, idx, w, b, g = p["x"], p["idx"], p["w"], p["b"], p["g"]
     wp, bp = torch.nn.Parameter(w.clone()), torch.nn.Parameter(b.clone())
+    if name in UNROLLED:
+        unrolled = getattr(torch.ops.xmc_bench, "rows_forward_" + name.rsplit("-", 1)[1])
+        return {"forward": lambda: unrolled(x, idx, w, b)}
     if name in ON_REQUEST:
         xin = x.bfloat16() if name.endswith("bf16") else x
         ops, prefix = (torch.ops.xmc_sparse, "") if name == BF16 else (torch.ops.xmc_bench, "rows_")

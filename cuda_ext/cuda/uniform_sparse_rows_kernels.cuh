@@ -41,8 +41,11 @@ __device__ __forceinline__ void stage_tile(const T* __restrict__ a, int num_rows
   }
 }
 
-// out[b, j] = sum_k weight[k, j] * xt[indices[k, j], b] + bias[j]; lane = batch row.
-template <typename T, typename TX>
+// out[b, j] = sum_k weight[k, j] * xt[indices[k, j], b] + bias[j]; lane = batch row. `Unroll` connections
+// at a time: kLabelsPerWarp x Unroll independent gathers in flight per lane (the op uses 1; the benchmark
+// times 2 and 4, xmc_bench::rows_forward_unroll<U>: a forward bound by L2 latency gains, one bound by
+// L2 requests does not).
+template <typename T, typename TX, int Unroll = 1>
 __global__ void __launch_bounds__(kThreads) forward_kernel(
     const TX* __restrict__ xt, const int32_t* __restrict__ idx, const T* __restrict__ w,
     const T* __restrict__ bias, T* __restrict__ out, int batch, int bpad, int conn, int labels) {
@@ -59,7 +62,24 @@ __global__ void __launch_bounds__(kThreads) forward_kernel(
       stage_tile(w, conn, labels, k0, j0, s_w);
       __syncthreads();
       const int kn = min(kWarp, conn - k0);
-      for (int k = 0; k < kn; ++k) {  // labels innermost: eight independent loads in flight
+      int k = 0;
+      if constexpr (Unroll > 1) {
+        for (; k + Unroll <= kn; k += Unroll) {  // all Unroll x kLabelsPerWarp loads issued before the sums
+          T v[Unroll][kLabelsPerWarp];
+#pragma unroll
+          for (int u = 0; u < Unroll; ++u)
+#pragma unroll
+            for (int i = 0; i < kLabelsPerWarp; ++i)
+              v[u][i] = row ? load_value(xt + static_cast<int64_t>(s_idx[k + u][warp * kLabelsPerWarp + i]) * bpad +
+                                         c0 + lane)
+                            : T(0);
+#pragma unroll
+          for (int u = 0; u < Unroll; ++u)
+#pragma unroll
+            for (int i = 0; i < kLabelsPerWarp; ++i) acc[i] += s_w[k + u][warp * kLabelsPerWarp + i] * v[u][i];
+        }
+      }
+      for (; k < kn; ++k) {  // labels innermost: eight independent loads in flight (the rest, with Unroll > 1)
 #pragma unroll
         for (int i = 0; i < kLabelsPerWarp; ++i) {
           const int l = warp * kLabelsPerWarp + i;

@@ -101,13 +101,14 @@ void run_threads(Reader& in, const int64_t* h, std::ofstream& out) {
   p.write(out);
 }
 
-template <typename T, typename TX>
+template <typename T, typename TX, int Unroll>
 void run_rows(Reader& in, const int64_t* h, std::ofstream& out) {
   Problem<T, TX> p(in, h, rows::row_pad(h[1]));
   const int B = p.batch, P = p.bpad, C = p.conn, L = p.labels;
   const unsigned grid = rows::tiles(p.labels);
   simt::launch(grid, rows::kThreads, [&] {
-    rows::forward_kernel<T, TX>(p.xt.data(), p.idx.data(), p.w.data(), p.bias_or_null(), p.scores.data(), B, P, C, L);
+    rows::forward_kernel<T, TX, Unroll>(p.xt.data(), p.idx.data(), p.w.data(), p.bias_or_null(), p.scores.data(), B,
+                                        P, C, L);
   });
   simt::launch(grid, rows::kThreads, [&] {
     rows::backward_input_kernel<T>(p.g.data(), p.idx.data(), p.w.data(), p.gxt.data(), B, P, C, L);
@@ -122,11 +123,15 @@ void run_rows(Reader& in, const int64_t* h, std::ofstream& out) {
 template <typename T, typename TX>
 void run(const std::string& family, Reader& in, const int64_t* h, std::ofstream& out) {
   if (family == "rows") {
-    run_rows<T, TX>(in, h, out);
+    run_rows<T, TX, 1>(in, h, out);
+  } else if (family == "rows-unroll2") {  // the benchmark's forward variants (xmc_bench::rows_forward_unroll2/4)
+    run_rows<T, TX, 2>(in, h, out);
+  } else if (family == "rows-unroll4") {
+    run_rows<T, TX, 4>(in, h, out);
   } else if (family == "threads") {
     run_threads<T, TX>(in, h, out);
   } else {
-    throw std::runtime_error("kernel family must be threads or rows, not " + family);
+    throw std::runtime_error("kernel family must be threads, rows, rows-unroll2 or rows-unroll4, not " + family);
   }
 }
 
@@ -160,7 +165,7 @@ void run_hinge(Reader& in, const int64_t* h, std::ofstream& out) {
 
 int main(int argc, char** argv) {
   if (argc != 4) {
-    std::fprintf(stderr, "usage: %s threads|rows|hinge PROBLEM RESULT\n", argv[0]);
+    std::fprintf(stderr, "usage: %s threads|rows|rows-unroll2|rows-unroll4|hinge PROBLEM RESULT\n", argv[0]);
     return 2;
   }
   std::ifstream file(argv[2], std::ios::binary);
