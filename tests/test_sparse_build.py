@@ -133,4 +133,4 @@ def test_the_cuda_sources_compile_without_a_gpu():
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     for source in build.SOURCES_CUDA:
         assert f"{Path(source).name}: compiled" in result.stdout
-    assert "rows::forward_kernel<float, Bf16>" in result.stdout
+    assert "rows::forward_kernel<float, Bf16, 1>" in result.stdout
