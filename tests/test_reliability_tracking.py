@@ -574,3 +574,22 @@ def test_ctrl_c_while_a_new_runs_setup_waits_for_the_store_closes_the_run(tmp_pa
     assert run.info.status == "FAILED" and run.data.tags["error"] == "the run could not be set up (interrupted)"
     assert info.value.run_failure == (f"interrupted (Ctrl+C) while the MLflow run was being opened; the new MLflow "
                                       f"run {run.info.run_id} is marked FAILED")
+
+
+def test_the_final_peak_memory_is_what_mlflow_shows(tmp_path, tmp_path_factory, monkeypatch):
+    """The peak after testing was logged at step 0, under the per-epoch peaks at later steps: MLflow's value of
+    peak_gpu_memory_gib (runs table, records, report) was the last epoch's, not the peak the summary printed."""
+    import itertools
+
+    from test_reliability_common import tiny_config
+    from xmc_repro import callbacks, train
+
+    monkeypatch.chdir(tmp_path)
+    copy_store(make_store(tmp_path_factory.getbasetemp() / "store"), tmp_path)
+    peaks = itertools.count(1.0)  # a CPU run has no peak: each reading higher, as testing can raise it
+    monkeypatch.setattr(callbacks.PeakMemory, "update", lambda self, pl_module: setattr(self, "peak_gib", next(peaks)))
+    results = train.run(tiny_config(tmp_path / "mlruns.db"))
+    (run,) = runs(tmp_path)
+    assert results["peak_gpu_memory_gib"] == 3.0  # two epochs, then testing
+    assert run.data.metrics["peak_gpu_memory_gib"] == 3.0
+    assert run.data.metrics["test/p_at_1"] == results["test/p_at_1"]

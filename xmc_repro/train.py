@@ -581,7 +581,9 @@ def _fit_and_test(cfg, tracker, checkpoint_dir: Path, resume_from: Path | None, 
     placed = [layer for layer in model.sparse_layers() if hasattr(layer, "positions")]  # a user's head may not say
     if placed:  # drawn with replacement, an unstructured layer's connections pile up (README)
         results["sparse/repeated_connections_pct"] = repeated_connections_pct(placed)
-    tracker.log_metrics(results)
+    # At the last step, not 0: MLflow's value of a metric is the one at its highest step, and the per-epoch
+    # peak_gpu_memory_gib lies at the epochs' steps, below the peak testing may reach.
+    tracker.log_metrics(results, step=trainer.global_step)
     tracker.finish("FINISHED")
     results["run_id"] = tracker.run_id
     results["ui"] = tracker.browse_hint()
