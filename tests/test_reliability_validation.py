@@ -52,6 +52,10 @@ REFUSED = {
     "profile_steps_0": (["trainer.profile_steps=0"], "trainer.profile_steps=0 must be"),
     "cublas_workspace_0": (["trainer.cublas_workspace_mib=0"], "trainer.cublas_workspace_mib=0 must be a finite number > 0"),
     "step_window_0": (["callbacks.time.step_window=0"], "callbacks.time.step_window=0 must be a positive integer"),
+    # trained with, while MLflow recorded the setting the callback reads (trainer.early_stop_patience=4)
+    "callback_wiring_overridden": (["callbacks.early_stop.patience=1"], "callbacks.early_stop.patience=1 would not be "
+                                   "recorded: it is trainer.early_stop_patience; set trainer.early_stop_patience=1"),
+    "callback_wiring_of_oc_select": (["callbacks.rewiring.every_n_steps=5"], "set dataset.rewire_every_n_steps=5"),
     "memory_report_not_bool": (["trainer.memory_report=yes please"],
                                "trainer.memory_report='yes please' must be true or false"),
     "bf16_true": (["trainer.precision=bf16-true"], "trainer.precision=bf16-true: the sparse op of model.head=uniform "

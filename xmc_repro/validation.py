@@ -220,6 +220,7 @@ def validate(cfg: DictConfig) -> None:
     if OmegaConf.select(cfg, "callbacks.time") is not None:
         positive_int(OmegaConf.select(cfg, "callbacks.time.step_window", default=100), "callbacks.time.step_window",
                      example=100)
+    _callback_wiring(cfg)
     number(cfg, "dataset.dropout", low=0, high=1, high_open=True)
     if OmegaConf.select(cfg, "dataset.holdout_fraction", default=None) is not None:
         number(cfg, "dataset.holdout_fraction", low=0, high=1, low_open=True, high_open=True,
@@ -235,6 +236,23 @@ def validate(cfg: DictConfig) -> None:
     if cfg.validate_on not in ("test", "holdout"):
         raise ConfigError(f"validate_on={cfg.validate_on!r} must be 'test' (the authors' protocol) or 'holdout'")
     _model(cfg)
+
+
+_WIRED = re.compile(r"\$\{(?:oc\.select:)?([\w.]+)")  # the setting a `${...}` (or `${oc.select:...,default}`) reads
+
+
+def _callback_wiring(cfg: DictConfig) -> None:
+    """A callback setting that its file wires to a run setting (`patience: ${trainer.early_stop_patience}`) but that
+    the command line sets itself: the run would train with it while MLflow records the wired setting, whose value
+    is the one params show (callbacks/* are not logged: `tracking.is_setting`)."""
+    for name, node in (cfg.get("callbacks") or {}).items():
+        path = resource_dir("conf") / "callbacks" / f"{name}.yaml"
+        wiring = OmegaConf.to_container(OmegaConf.load(path), resolve=False).get(name) if path.is_file() else None
+        for key, text in (wiring or {}).items():
+            source = _WIRED.match(text) if isinstance(text, str) else None
+            if source and key in node and not OmegaConf.is_interpolation(node, key):
+                raise ConfigError(f"callbacks.{name}.{key}={node[key]} would not be recorded: it is {source[1]}; set "
+                                  f"{source[1]}={node[key]}")
 
 
 def _dataset(cfg: DictConfig) -> None:
