@@ -411,6 +411,15 @@ def test_paper_key_names_rows_as_the_paper_does():
     assert paper_key(configuration(params_of(BIBTEX, "uniform", 32), {"scale": "smoke"})) is None
 
 
+def test_lightnings_short_precision_names_are_the_same_configuration():
+    """`trainer.precision=bf16` trains as bf16-mixed (Lightning's short names), but was a configuration of its own:
+    a row `bf16` beside `bf16-mixed`, never averaged with it as seeds; `32` was already read as float32."""
+    def precision(value):
+        return configuration({**params_of(BIBTEX, "uniform", 32), "trainer/precision": value}, {})["precision"]
+
+    assert [precision(v) for v in ("bf16", "16", "64", "32")] == ["bf16-mixed", "16-mixed", "64-true", ""]
+    assert precision("bf16-mixed") == "bf16-mixed"
+
 # ---------------------------------------------------------------------------------------------------- rendering
 
 

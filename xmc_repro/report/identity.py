@@ -90,10 +90,19 @@ def configuration(params: dict, tags: dict) -> dict[str, str]:
         "mach_buckets": _value(params, "model/mach/num_buckets") if setup == "mach" else "",
         "loss": _value(params, "loss/name"),
         # blank for float32, the default: a bf16-mixed run is another configuration, not another seed of it
-        "precision": "" if _value(params, "trainer/precision") in ("", "32", "32-true") else _value(
-            params, "trainer/precision"),
+        "precision": precision(_value(params, "trainer/precision")),
         "settings": "",  # see `split_by_settings`
     }
+
+
+# Lightning's short precision names: the same training as the full ones, so the same configuration.
+PRECISION_NAMES = {"32": "32-true", "16": "16-mixed", "bf16": "bf16-mixed", "64": "64-true"}
+
+
+def precision(value: str) -> str:
+    """A run's precision by Lightning's full name; blank for float32, the default."""
+    value = PRECISION_NAMES.get(value, value)
+    return "" if value == "32-true" else value
 
 
 def _own_settings(params: dict) -> list[tuple[str, str]]:
