@@ -7,6 +7,7 @@ torch, Lightning and MLflow load. Every problem is a ConfigError: one line namin
 
 from __future__ import annotations
 
+import copy
 import math
 import numbers
 import re
@@ -243,14 +244,22 @@ _WIRED = re.compile(r"\$\{(?:oc\.select:)?([\w.]+)")  # the setting a `${...}` (
 
 def _callback_wiring(cfg: DictConfig) -> None:
     """A callback setting that its file wires to a run setting (`patience: ${trainer.early_stop_patience}`) but that
-    the command line sets itself: the run would train with it while MLflow records the wired setting, whose value
-    is the one params show (callbacks/* are not logged: `tracking.is_setting`)."""
+    the command line sets to another value: the run would train with it while MLflow records the wired setting, whose
+    value is the one params show (callbacks/* are not logged: `tracking.is_setting`). A resumed run's stored config
+    holds the wired values resolved: equal, so accepted."""
+    probe = None
     for name, node in (cfg.get("callbacks") or {}).items():
         path = resource_dir("conf") / "callbacks" / f"{name}.yaml"
         wiring = OmegaConf.to_container(OmegaConf.load(path), resolve=False).get(name) if path.is_file() else None
         for key, text in (wiring or {}).items():
             source = _WIRED.match(text) if isinstance(text, str) else None
-            if source and key in node and not OmegaConf.is_interpolation(node, key):
+            if not source or key not in node or OmegaConf.is_interpolation(node, key):
+                continue
+            if probe is None:  # the config with the file's wiring put back, to resolve it
+                probe = copy.deepcopy(cfg)
+                OmegaConf.set_struct(probe, False)
+            probe.callbacks[name][key] = text
+            if OmegaConf.select(probe, f"callbacks.{name}.{key}") != node[key]:
                 raise ConfigError(f"callbacks.{name}.{key}={node[key]} would not be recorded: it is {source[1]}; set "
                                   f"{source[1]}={node[key]}")
 
