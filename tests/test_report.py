@@ -289,13 +289,19 @@ def empty_store(tmp_path_factory):
     return path
 
 
-def test_records_add_copies_finished_table_runs_of_a_store_once_and_round_trips(tmp_path, empty_store, capsys):
-    from mlflow.entities import Metric, Param, RunTag
+def copied_store(empty_store, tmp_path):
+    """A copy of `empty_store` at tmp_path/gpu.db: (its URI, an MLflow client of it)."""
     from mlflow.tracking import MlflowClient
 
     shutil.copy(empty_store, tmp_path / "gpu.db")
     uri = f"sqlite:///{tmp_path / 'gpu.db'}"
-    client = MlflowClient(uri)
+    return uri, MlflowClient(uri)
+
+
+def test_records_add_copies_finished_table_runs_of_a_store_once_and_round_trips(tmp_path, empty_store, capsys):
+    from mlflow.entities import Metric, Param, RunTag
+
+    uri, client = copied_store(empty_store, tmp_path)
     experiment = client.get_experiment_by_name("xmc_repro").experiment_id
     ids = {}
     for name, status, table in (("ok", "FINISHED", "table1"), ("failed", "FAILED", "table1"),
@@ -883,13 +889,10 @@ def test_records_add_leaves_another_programs_database_untouched(tmp_path, capsys
 def test_records_add_into_a_folder_that_does_not_exist_is_refused_in_one_line(tmp_path, empty_store, capsys):
     """A mistyped --dir started a new folder and wrote the store's records there, where no export reads them."""
     from mlflow.entities import Param, RunTag
-    from mlflow.tracking import MlflowClient
 
     from xmc_repro.report.__main__ import main
 
-    shutil.copy(empty_store, tmp_path / "gpu.db")
-    uri = f"sqlite:///{tmp_path / 'gpu.db'}"
-    client = MlflowClient(uri)
+    uri, client = copied_store(empty_store, tmp_path)
     run_id = client.create_run(client.get_experiment_by_name("xmc_repro").experiment_id).info.run_id
     client.log_batch(run_id, metrics=logged_scores(50.5), tags=[RunTag("table", "table1")],
                      params=[Param(k, v) for k, v in params_of(BIBTEX, "dense").items()])  # fmt: skip
@@ -1104,11 +1107,8 @@ def test_records_add_on_a_full_disk_leaves_no_half_record_and_says_so_in_one_lin
     """A write that failed left a 0-byte <id>.json (export then told to `git checkout` a file never committed), and
     an updated record truncated in place."""
     from mlflow.entities import Param, RunTag
-    from mlflow.tracking import MlflowClient
 
-    shutil.copy(empty_store, tmp_path / "gpu.db")
-    uri = f"sqlite:///{tmp_path / 'gpu.db'}"
-    client = MlflowClient(uri)
+    uri, client = copied_store(empty_store, tmp_path)
     experiment = client.get_experiment_by_name("xmc_repro").experiment_id
     ids = []
     for p1 in (50.5, 40.5):
@@ -1238,13 +1238,10 @@ def test_records_the_export_does_not_count_need_no_scores_and_dotted_keys_still_
 
 def test_records_add_leaves_a_run_with_a_nan_metric_in_its_store_and_names_it(tmp_path, empty_store, capsys):
     from mlflow.entities import Metric
-    from mlflow.tracking import MlflowClient
 
     from xmc_repro.report.__main__ import main
 
-    shutil.copy(empty_store, tmp_path / "gpu.db")
-    uri = f"sqlite:///{tmp_path / 'gpu.db'}"
-    client = MlflowClient(uri)
+    uri, client = copied_store(empty_store, tmp_path)
     for p1 in (50.5, math.nan):
         run_id = finished_table_run(client, logged_scores(p1))
     directory = tmp_path / "records"
@@ -1266,13 +1263,10 @@ def test_records_add_leaves_a_finished_run_without_a_test_score_in_its_store(tmp
     """A run with train metrics but no test/p_at_1 was copied: its seed was listed in the row, whose test P@1 was the
     mean of the other seeds only."""
     from mlflow.entities import Metric
-    from mlflow.tracking import MlflowClient
 
     from xmc_repro.report.__main__ import main
 
-    shutil.copy(empty_store, tmp_path / "gpu.db")
-    uri = f"sqlite:///{tmp_path / 'gpu.db'}"
-    client = MlflowClient(uri)
+    uri, client = copied_store(empty_store, tmp_path)
     for seed in (0, 1):
         scores = logged_scores(50.5)[seed:]  # seed 1: P@3 and P@5 only
         run_id = finished_table_run(client, [*scores, Metric("train/p_at_1", 60.0, 0, 0)], seed=seed)
