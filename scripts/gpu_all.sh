@@ -69,8 +69,6 @@ if [ "$DRY_RUN" != 1 ] && ! python3 -c "import hydra, mlflow" 2>/dev/null && ls 
   python3 -m pip install -q --no-index --no-deps --no-compile --target "$HOME/site" .whl/*.whl
 fi
 export PYTHONPATH="$HOME/site:$PWD"
-# the phases the op runs on the warp-per-label kernels by default (XMC_SPARSE_KERNELS unset)
-[ "$DRY_RUN" = 1 ] || DEFAULT_ROWS=$(python3 -c "from xmc_repro.sparse.op import DEFAULT_ROWS_PHASES as p; print(','.join(p))")
 status=()
 step() {  # step NAME SECONDS CMD...: run with a timeout (capped by the deadline), log to $LOGS/NAME.log
   local name=$1 secs=$2; shift 2
@@ -121,7 +119,10 @@ for precision in ${EPOCH_PRECISIONS:-32-true bf16-mixed}; do
   # each phase on the kernels the layer benchmark found faster, when that is a mix other than the default's
   mixed=$(grep -oE "XMC_SPARSE_KERNELS=rows:[a-z_,]+" "$LOGS/layer.log" 2>/dev/null | head -1 | cut -d= -f2)
   [ "$DRY_RUN" = 1 ] && mixed=rows:PHASES  # the layer step's choice
-  [ "$mixed" = "rows:${DEFAULT_ROWS:-}" ] && mixed=
+  if [ -n "$mixed" ] && [ "$DRY_RUN" != 1 ]; then  # the phases the op runs on them by default: that epoch ran
+    default=$(python3 -c "from xmc_repro.sparse.op import DEFAULT_ROWS_PHASES as p; print(','.join(p))")
+    [ "$mixed" = "rows:$default" ] && mixed=
+  fi
   [ -n "$mixed" ] && KERNELS=$mixed epoch epoch-mixed-32-true uniform 32-true 170 model.intermediate=32768
 done
 POINTS=${DENSE_POINTS:-} epoch epoch-dense-32-true dense 32-true 240  # DENSE_POINTS=50000: its step time, sooner
