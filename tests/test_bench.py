@@ -65,6 +65,29 @@ def test_the_model_benchmark_shows_progress_while_it_profiles(tmp_path, capsys, 
         assert f"  profiling uniform, {way}, 32-true: 3 steps ...\nPROFILE {way} 32-true" in out
 
 
+def test_an_earlier_runs_profile_files_do_not_stay_beside_new_results(tmp_path, capsys, monkeypatch):
+    """--model without --profile left the previous run's profile and traces beside the new results, as if theirs."""
+    from xmc_repro import bench_model
+
+    def timed(shape, device, steps, warmup, *rest, **kw):
+        return {"model": shape.name, "way": "eager", "precision": "32-true", "labels": shape.labels,
+                "intermediate": shape.intermediate, "parameters": 1, "step_ms": 1.0}
+
+    monkeypatch.setattr(bench_model, "measure", timed)
+    monkeypatch.setattr(bench_model, "measure_lightning", timed)
+    monkeypatch.setattr(bench_model, "profile", lambda shape, device, way, *a: (f"{way}\n", ""))
+    name = "cpu-model-scale0.0005"
+    other = tmp_path / "cpu-model-scale0.001-profile.txt"  # another scale's: kept
+    for path in (tmp_path / f"{name}-profile.txt", tmp_path / f"{name}-trace-graph-bf16-mixed.json.gz", other):
+        path.write_text("earlier")
+    assert bench.main(["--model", "--device", "cpu", "--scale", "0.0005", "--out", str(tmp_path)]) == 0
+    assert "removed the earlier run's profile files (cpu-model-scale0.0005-profile.txt, " \
+        "cpu-model-scale0.0005-trace-graph-bf16-mixed.json.gz)" in capsys.readouterr().out
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([f"{name}.json", f"{name}.md", other.name])
+    assert bench.main(["--model", "--device", "cpu", "--scale", "0.0005", "--profile", "2", "--out", str(tmp_path)]) == 0
+    assert (tmp_path / f"{name}-profile.txt").read_text() == "eager\nlightning\n"
+
+
 def test_a_uniform_step_slower_than_dense_reads_as_slower():
     from xmc_repro.bench_model import markdown
 
@@ -323,10 +346,11 @@ def test_ctrl_c_during_the_run_ends_in_one_line_and_writes_nothing(tmp_path, cap
 
 def test_a_model_too_big_for_the_machine_is_refused_before_it_is_built(tmp_path, capsys):
     """--scale 1000 raised a traceback from a 2 TB allocation; a smaller excess would meet the OOM killer."""
-    assert bench.main(["--model", "--device", "cpu", "--scale", "1000", "--out", str(tmp_path)]) == 2
-    err = capsys.readouterr().err
-    assert err.startswith("error: --scale 1000: model=dense over 768 inputs and 670,091,000 labels") and \
-        err.strip().endswith("GiB is available; lower --scale") and not list(tmp_path.iterdir())
+    for out in (tmp_path, tmp_path / "new" / "folder"):  # a folder made for the run was left behind, empty
+        assert bench.main(["--model", "--device", "cpu", "--scale", "1000", "--out", str(out)]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("error: --scale 1000: model=dense over 768 inputs and 670,091,000 labels") and \
+            err.strip().endswith("GiB is available; lower --scale") and not list(tmp_path.iterdir())
 
 
 def test_ctrl_c_inside_lightnings_fit_ends_in_one_line(tmp_path, capsys, monkeypatch):

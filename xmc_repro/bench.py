@@ -502,14 +502,22 @@ def _positive(kind, zero: bool = False, finite: bool = True):
 
 
 def usable_out(out: Path) -> str | None:
-    """Why the results cannot be written to the folder ``out`` (created here if missing), or None when they can:
-    checked before anything is timed, so that a bad ``--out`` does not throw a whole run's measurements away."""
+    """Why the results cannot be written to the folder ``out``, or None when they can: checked before anything is
+    timed, so that a bad ``--out`` does not throw a whole run's measurements away. Folders made for the check are
+    removed again (a run refused later, e.g. a model too big, leaves none); the results' writer makes them."""
+    made = [p for p in (out, *out.parents) if not p.exists()]  # deepest first
     try:
         out.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryFile(dir=out):
             pass
     except OSError as exc:
         return exc.strerror or str(exc)
+    finally:
+        for folder in made:
+            try:
+                folder.rmdir()
+            except OSError:  # never made, or something else wrote there meanwhile
+                break
     return None
 
 

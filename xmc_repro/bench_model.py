@@ -443,6 +443,12 @@ def run(device, scale: float, steps: int, warmup: int, out: Path, profile_steps:
                                                      "results": rows}, indent=1) + "\n",
                    out / f"{name}.md": text})
     print(f"wrote {out / name}.json and .md{note}\n")
+    # An earlier run's profile beside these results would read as theirs (its steps, its commit).
+    stale = sorted([*out.glob(f"{name}-profile.txt"), *out.glob(f"{name}-trace-*.json.gz")])
+    for path in stale:
+        path.unlink(missing_ok=True)
+    if stale:
+        print(f"removed the earlier run's profile files ({', '.join(p.name for p in stale)})\n")
     print(text)
     if profile_steps:
         uniform = paper_models(scale)[1]
