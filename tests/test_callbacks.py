@@ -146,6 +146,47 @@ def test_step_times_are_window_means_per_epoch_logged_at_each_windows_last_step(
     assert resumed.step_ms == [] and resumed.step_ms_median is None
 
 
+def test_an_epoch_shorter_than_the_step_window_is_one_window(tmp_path):
+    """Epochs of step_window batches or fewer (Bibtex's, at the default 100) logged no step time at all."""
+    times, logger = EpochTime(step_window=10), _Kept()
+    model = XMCClassifier(TINY["num_features"], TINY["num_labels"], head="uniform", connectivity=4)
+    trainer = quiet_trainer(tmp_path, max_epochs=2, limit_train_batches=4, limit_val_batches=1, logger=logger,
+                            log_every_n_steps=1000, callbacks=[times])
+    trainer.fit(model, datamodule=build_datamodule(TINY, batch_size=16, seed=0))
+    logged = [(step, m["train/ms_per_step"]) for step, m in logger.metrics if "train/ms_per_step" in m]
+    assert [step for step, _ in logged] == [4, 8] and [ms for _, ms in logged] == times.step_ms
+    assert all(ms > 0 for ms in times.step_ms) and times.epoch_step_ms == times.step_ms[1:]
+
+
+def test_a_resumed_epochs_time_counts_the_time_before_its_checkpoint():
+    """A run resumed mid-epoch logged as that epoch's epoch_time_s only the time since the resume."""
+    logged = {}
+
+    class _Module:
+        device = torch.device("cpu")
+
+        def log(self, key, value, **kwargs):
+            logged[key] = value
+
+    killed = EpochTime()
+    killed.on_fit_start(None, _Module())
+    killed.on_train_epoch_start(None, _Module())
+    killed._epoch_start -= 30.0  # 30 s into the epoch when its checkpoint is written
+    resumed = EpochTime()
+    resumed.load_state_dict(killed.state_dict())
+    resumed.on_fit_start(None, _Module())
+    resumed.on_train_start(None, _Module())  # mid-epoch: no on_train_epoch_start
+    resumed.on_train_epoch_end(None, _Module())
+    assert 30.0 <= logged["epoch_time_s"] < 40.0
+    resumed.on_train_epoch_start(None, _Module())  # the next epoch starts its own clock
+    resumed.on_train_epoch_end(None, _Module())
+    assert logged["epoch_time_s"] < 10.0
+    resumed.load_state_dict({"fit_seconds": 1.0})  # a checkpoint from before epoch times: the resume's time only
+    resumed.on_train_start(None, _Module())
+    resumed.on_train_epoch_end(None, _Module())
+    assert logged["epoch_time_s"] < 10.0
+
+
 def test_a_step_profile_covers_the_asked_steps_and_lands_in_the_runs_folder(tmp_path, capsys):
     from xmc_repro import trace_gaps
 

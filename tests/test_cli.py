@@ -126,8 +126,13 @@ def test_a_sweep_of_20_runs_reads_well_in_mlflow_and_on_the_console(tmp_path):
         assert not {"lr", "connectivity", "head", "loss", "num_labels"} & set(params)
         assert {"trainer/lr", "model/connectivity", "model/head", "loss/name", "seed"} <= set(params)
         assert not {"table", "scale"} & set(params)  # tags, when set
-        # Nor the callbacks' wiring, which repeats model/dataset/trainer settings, nor class paths.
-        assert not [k for k in params if k.startswith("callbacks/") or k.endswith(("_target_", "_partial_"))]
+        # Nor the callbacks' wiring, which repeats model/dataset/trainer settings, nor class paths; but the
+        # callbacks in use and their own settings.
+        assert not [k for k in params if k.endswith(("_target_", "_partial_"))]
+        assert {k for k in params if k.startswith("callbacks")} == {
+            "callbacks", "callbacks/time/step_window", "callbacks/best/filename", "callbacks/best/monitor",
+            "callbacks/best/mode", "callbacks/best/enable_version_counter"}
+        assert params["callbacks"] == "rewiring,memory,time,early_stop,best,last"
         [data] = run.inputs.dataset_inputs
         assert data.dataset.name == "Synthetic" and len(data.dataset.digest) == 8
     assert len({r.inputs.dataset_inputs[0].dataset.digest for r in found}) == 1  # the same data in every job

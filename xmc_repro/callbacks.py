@@ -145,7 +145,10 @@ class EpochTime(pl.Callback):
     never validation, nor the logging of the previous window's time. Each window's mean is logged as
     `train/ms_per_step` at its last step (a curve over training: early steps, whose squared-hinge gradients are
     dense, are slower); `step_ms_median` is the median over the fit's windows, which a rewiring inside a window does
-    not move.
+    not move. An epoch of `step_window` batches or fewer is one window, closed at its last batch.
+
+    A run resumed mid-epoch logs that epoch's `epoch_time_s` as the time up to its checkpoint plus the time since the
+    resume (the steps redone after the checkpoint count once).
     """
 
     def __init__(self, step_window: int = 100):
@@ -155,6 +158,7 @@ class EpochTime(pl.Callback):
         self.step_ms: list[float] = []  # every window's mean, in order
         self.epoch_step_ms: list[float] = []  # this epoch's
         self._fit_start = self._epoch_start = None
+        self._epoch_seconds_before_resume = 0.0
         self._window: tuple[float, int] | None = None  # (start time, first batch index)
 
     def on_fit_start(self, trainer, pl_module):
@@ -162,7 +166,7 @@ class EpochTime(pl.Callback):
 
     def on_train_start(self, trainer, pl_module):
         # A run resumed mid-epoch gets no on_train_epoch_start for that epoch: start its clocks here.
-        self._epoch_start, self._window = time.perf_counter(), None
+        self._epoch_start, self._window = time.perf_counter() - self._epoch_seconds_before_resume, None
 
     def on_train_epoch_start(self, trainer, pl_module):
         self._epoch_start, self._window, self.epoch_step_ms = time.perf_counter(), None, []
@@ -170,15 +174,26 @@ class EpochTime(pl.Callback):
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
         if self._window is not None and batch_idx - self._window[1] < self.step_window:
             return
+        self._close_window(trainer, pl_module, batch_idx)
+        self._window = (time.perf_counter(), batch_idx)  # after the logging (a store write): no window counts it
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        last = batch_idx + 1 == trainer.num_training_batches
+        if last and not self.epoch_step_ms:  # a short epoch: its only window (a longer one's tail is dropped)
+            self._close_window(trainer, pl_module, batch_idx + 1)
+            self._window = None
+
+    def _close_window(self, trainer, pl_module, end_batch: int) -> None:
+        """Syncs the device; the open window (if any), of the batches before `end_batch`, logged per step."""
         if pl_module.device.type == "cuda":
             torch.cuda.synchronize(pl_module.device)
-        if self._window is not None:
-            ms = (time.perf_counter() - self._window[0]) * 1000 / (batch_idx - self._window[1])
-            self.step_ms.append(ms)
-            self.epoch_step_ms.append(ms)
-            for logger in trainer.loggers:
-                logger.log_metrics({"train/ms_per_step": ms}, step=trainer.global_step)
-        self._window = (time.perf_counter(), batch_idx)  # after the logging (a store write): no window counts it
+        if self._window is None or end_batch <= self._window[1]:
+            return
+        ms = (time.perf_counter() - self._window[0]) * 1000 / (end_batch - self._window[1])
+        self.step_ms.append(ms)
+        self.epoch_step_ms.append(ms)
+        for logger in trainer.loggers:
+            logger.log_metrics({"train/ms_per_step": ms}, step=trainer.global_step)
 
     def on_train_epoch_end(self, trainer, pl_module):
         pl_module.log("epoch_time_s", time.perf_counter() - self._epoch_start, rank_zero_only=True)
@@ -199,12 +214,15 @@ class EpochTime(pl.Callback):
         return statistics.median(self.step_ms) if self.step_ms else None
 
     def state_dict(self):  # a resumed run keeps counting the time already spent
-        running = time.perf_counter() - self._fit_start if self._fit_start is not None else 0.0
-        return {"fit_seconds": self.fit_seconds + running, "step_ms": list(self.step_ms)}
+        now = time.perf_counter()
+        running = now - self._fit_start if self._fit_start is not None else 0.0
+        epoch = now - self._epoch_start if self._epoch_start is not None else 0.0
+        return {"fit_seconds": self.fit_seconds + running, "step_ms": list(self.step_ms), "epoch_seconds": epoch}
 
     def load_state_dict(self, state_dict):
         self.fit_seconds = state_dict["fit_seconds"]
         self.step_ms = list(state_dict.get("step_ms", []))  # absent from checkpoints written before step times
+        self._epoch_seconds_before_resume = state_dict.get("epoch_seconds", 0.0)
 
 
 class StepProfile(pl.Callback):

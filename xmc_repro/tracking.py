@@ -38,6 +38,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from xmc_repro.errors import ConfigError, left_running
 from xmc_repro.report.records import RESUMED_PREFIX, STARTED_BY, WRITER
+from xmc_repro.validation import callback_wiring
 
 try:
     import fcntl
@@ -58,15 +59,20 @@ _jitter = random.Random()  # its own generator: retries must not move the global
 TAG_KEYS = ("table", "scale")  # config keys recorded as tags (what the report filters on), not as params
 
 
-def is_setting(key: str) -> bool:
-    """Whether a flattened config key is a setting of its own, logged as a param.
+def run_params(cfg: DictConfig) -> dict[str, str]:
+    """The params of a run: its resolved config flattened with `/`, each setting once.
 
-    Not: the callbacks' wiring (their values are model/dataset/trainer settings, logged there), the classes
-    objects are built from, and the names derived from other settings.
+    Not: the callbacks' wiring (their values are model/dataset/trainer settings, logged there: judged from the
+    callback's file, since a resumed run's stored config holds them resolved), the classes objects are built from,
+    the names derived from other settings, and `table`/`scale` (tags). The callbacks' own settings are params
+    (`callbacks/best/monitor`), and `callbacks` names those in use, in order (`~callbacks.early_stop` shows there).
     """
-    leaf = key.rsplit("/", 1)[-1]
-    return not (key.startswith("callbacks/") or leaf in ("_target_", "_partial_")
-                or key in ("model/label", "model/description"))
+    wired = {f"callbacks/{name}/{key}" for name in cfg.get("callbacks") or {} for key in callback_wiring(name)}
+    params = {key: value for key, value in flatten(cfg).items()
+              if key not in TAG_KEYS and key not in wired and key.rsplit("/", 1)[-1] not in ("_target_", "_partial_")
+              and key not in ("model/label", "model/description")}
+    params["callbacks"] = ",".join(cfg.get("callbacks") or {})
+    return params
 
 
 # Without this experiment tag MLflow 3's UI opens an experiment on its (empty) GenAI overview, not the runs table.
@@ -447,7 +453,7 @@ class RunTracker:
         """Params: the resolved config flattened with `/`, once each; `table` and `scale` go to `tags`. MLflow keeps
         a param's first value: a setting that a resume changed (e.g. trainer.max_epochs) is the tag
         `resumed/<key>`, which the report reads in place of the param (`records.used_params`)."""
-        params = [Param(k, v) for k, v in flatten(cfg).items() if k not in TAG_KEYS and is_setting(k)]
+        params = [Param(k, v) for k, v in run_params(cfg).items()]
         run = with_retries(self.client.get_run, self.run_id)
         existing = run.data.params
         changed = {f"{RESUMED_PREFIX}{p.key}": p.value for p in params

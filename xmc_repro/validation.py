@@ -242,18 +242,24 @@ def validate(cfg: DictConfig) -> None:
 _WIRED = re.compile(r"\$\{(?:oc\.select:)?([\w.]+)")  # the setting a `${...}` (or `${oc.select:...,default}`) reads
 
 
+def callback_wiring(name: str) -> dict[str, str]:
+    """The settings of callback `name` that its file (conf/callbacks/<name>.yaml) wires to a run setting, with their
+    `${...}` text: `{'patience': '${trainer.early_stop_patience}', ...}`; {} for a callback without a file."""
+    path = resource_dir("conf") / "callbacks" / f"{name}.yaml"
+    own = OmegaConf.to_container(OmegaConf.load(path), resolve=False).get(name) if path.is_file() else None
+    return {key: text for key, text in (own or {}).items() if isinstance(text, str) and _WIRED.match(text)}
+
+
 def _callback_wiring(cfg: DictConfig) -> None:
     """A callback setting that its file wires to a run setting (`patience: ${trainer.early_stop_patience}`) but that
     the command line sets to another value: the run would train with it while MLflow records the wired setting, whose
-    value is the one params show (callbacks/* are not logged: `tracking.is_setting`). A resumed run's stored config
-    holds the wired values resolved: equal, so accepted."""
+    value is the one params show (wired callback settings are not logged: `tracking.run_params`). A resumed run's
+    stored config holds the wired values resolved: equal, so accepted."""
     probe = None
     for name, node in (cfg.get("callbacks") or {}).items():
-        path = resource_dir("conf") / "callbacks" / f"{name}.yaml"
-        wiring = OmegaConf.to_container(OmegaConf.load(path), resolve=False).get(name) if path.is_file() else None
-        for key, text in (wiring or {}).items():
-            source = _WIRED.match(text) if isinstance(text, str) else None
-            if not source or key not in node or OmegaConf.is_interpolation(node, key):
+        for key, text in callback_wiring(name).items():
+            source = _WIRED.match(text)
+            if key not in node or OmegaConf.is_interpolation(node, key):
                 continue
             if probe is None:  # the config with the file's wiring put back, to resolve it
                 probe = copy.deepcopy(cfg)
