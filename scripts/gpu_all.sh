@@ -8,7 +8,8 @@
 #    gradients), float32 and bf16 inputs, the op on its thread-per-label kernels (XMC_SPARSE_KERNELS=threads)
 #    beside the warp-per-label ones (uniform-rows; and their forward with 2 or 4 connections' gathers in flight,
 #    uniform-rows-unroll2/4), torch CSR and dense, with the L2 read bandwidth of the probe kernel; its last line
-#    names the faster kernels per phase,
+#    names the faster kernels per phase; then each of those kernels once under ncu, where the machine has it
+#    (step `counters`, scripts/gpu_kernel_counters.py: L1, L2 and DRAM throughput, occupancy, warp stalls),
 # 4. memory: 20,000 points of the pipeline at Amazon-670K's shape with a rewiring every 50 steps, graphed and
 #    eager (trainer.cuda_graph=false), each with what was allocated at its peak (trainer.memory_report),
 # 5. the whole-model step, dense beside uniform (eager, CUDA graph, Lightning; 32-true and bf16-mixed), Amazon-670K
@@ -28,7 +29,7 @@
 #    runs), if its files are carried
 #    in .gpu_data/Bibtex (XMC_SHARED_DATA): mkdir -p .gpu_data/Bibtex && cp ../shared/data/Bibtex/*_xc.txt
 #    .gpu_data/Bibtex/ (.gpu_data and .whl listed in .git/info/exclude, both named in the call's carry).
-# Steps, in this order (SKIP="model epoch-bf16-mixed ..." skips them by name): env build tests layer
+# Steps, in this order (SKIP="model epoch-bf16-mixed ..." skips them by name): env build tests layer counters
 #   memory-graph-true memory-graph-false model model-rows epoch-32-true epoch-threads-32-true epoch-rows-32-true
 #   epoch-mixed-32-true epoch-bf16-mixed epoch-dense-32-true bibtex-32-true bibtex-bf16-mixed bibtex-threads-32-true
 #   bibtex-rows-32-true.
@@ -95,6 +96,12 @@ step tests 200 python3 -m pytest -m cuda ${TESTS:-tests} -q -p no:cacheprovider
 step layer 100 env XMC_SPARSE_KERNELS=threads python3 -m xmc_repro.bench --device cuda --out results/bench \
   --max-cases ${LAYER_CASES:-2} \
   --methods uniform,uniform-bf16,uniform-rows,uniform-rows-bf16,uniform-rows-unroll2,uniform-rows-unroll4,csr,dense
+# what bounds each of those kernels, from the hardware counters (ncu, where the machine has it; else they only run)
+NCU=$(command -v ncu || ls /usr/local/cuda*/bin/ncu /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
+step counters 120 env XMC_SPARSE_KERNELS=threads ${NCU:+"$NCU" --kernel-name-base demangled --kernel-name \
+  regex:xmc_sparse:: --clock-control none --section SpeedOfLight --section MemoryWorkloadAnalysis --section \
+  MemoryWorkloadAnalysis_Tables --section WarpStateStats --section Occupancy --section LaunchStats} \
+  python3 scripts/gpu_kernel_counters.py
 for graph in true false; do  # their own MLflow store: diagnostics, not records (recording slows every allocation)
   step "memory-graph-$graph" 90 env MLFLOW_TRACKING_URI="sqlite:///$LOGS/memory_runs.db" python3 -m xmc_repro \
     dataset=synthetic_amazon670k dataset.num_train=20000 dataset.num_test=10000 dataset.rewire_every_n_steps=50 trainer.max_epochs=1 trainer.progress_bar=false \
@@ -162,6 +169,7 @@ grep -E "peak GPU|^allocated at|MiB .* blocks" "$LOGS"/memory-graph-*.log
 for p in 32-true threads-32-true rows-32-true mixed-32-true bf16-mixed dense-32-true; do [ -f "$LOGS/epoch-$p.log" ] && grep -E "^epoch |peak GPU|MLflow run|^profile of|^device span|^host during|^  +[0-9.]+  |^blocking" "$LOGS/epoch-$p.log" | tail -20; done
 cat "$LOGS/step-times.md"
 sed -n '/^case /,$p' "$LOGS/layer.log"
+grep -E "^  [a-z_:]*(forward|backward_input|backward_weight)_kernel|^launched|^==(PROF|ERROR|WARNING)==|^    (Duration|Memory Throughput|L2 Cache Throughput|DRAM Throughput|Achieved Occupancy|Registers Per Thread|Warp Cycles Per Issued)" "$LOGS/counters.log" 2>/dev/null
 for p in 32-true bf16-mixed threads-32-true rows-32-true; do [ -f "$LOGS/bibtex-$p.log" ] && grep -E "test|seconds per epoch" "$LOGS/bibtex-$p.log" | tail -3; done
 # the exit status: 1 when a step failed or ran out of time (the summary's first lines say which), else 0
 case " ${status[*]} " in *": exit "[1-9]*) exit 1;; esac

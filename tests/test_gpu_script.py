@@ -149,3 +149,21 @@ def test_the_scripts_parse_and_the_collector_reads_the_packed_folder():
         assert (ROOT / called).is_file(), called
     packed = Path(re.search(r"^LOGS=(\S+)$", text, re.M).group(1)).name
     assert f"logs=$tmp/{packed}\n" in (ROOT / "scripts" / "gpu_collect.sh").read_text()
+
+
+def test_the_counters_step_launches_the_benchmarks_kernels(steps):
+    """scripts/gpu_kernel_counters.py runs the layer benchmark's methods; ncu keeps the kernels of xmc_sparse::."""
+    import importlib.util
+
+    from xmc_repro import bench
+
+    spec = importlib.util.spec_from_file_location("counters", ROOT / "scripts" / "gpu_kernel_counters.py")
+    counters = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(counters)
+    for method, phase, grad in counters.RUNS:
+        assert method in bench.ALL + bench.ON_REQUEST and grad in ("hinge", "bce"), method
+        assert phase == "forward" if method in bench.UNROLLED else phase in bench.PHASES, (method, phase)
+    assert steps["counters"].startswith("env XMC_SPARSE_KERNELS=threads python3 scripts/gpu_kernel_counters.py")
+    assert "regex:xmc_sparse::" in SCRIPT.read_text()
+    for header in ("uniform_sparse_kernels.cuh", "uniform_sparse_rows_kernels.cuh"):
+        assert "namespace xmc_sparse {" in (ROOT / "cuda_ext" / "cuda" / header).read_text()
