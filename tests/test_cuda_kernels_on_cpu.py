@@ -69,7 +69,7 @@ def emulated(binary, tmp_path):
     ((17, 64, 33, 32), 0.0, torch.float32),
     ((5, 9, 70, 3), 0.3, torch.float64),
 ], ids=lambda v: "x".join(map(str, v)) if isinstance(v, tuple) else str(v))
-@pytest.mark.parametrize("family", ["threads", "rows", "rows-unroll2", "rows-unroll4"])
+@pytest.mark.parametrize("family", ["threads", "rows", "rows-unroll2", "rows-unroll4", "rows-dense", "rows-sparse"])
 def test_kernel_source_matches_the_reference(emulated, family, shape, density, dtype):
     x, idx, w, b, g = sparse_layer_problem(*shape, density, dtype, seed=sum(shape))
     scores, grad_x, grad_wb = emulated(family, x, idx, w, b, g)
@@ -85,6 +85,21 @@ def test_the_unrolled_forwards_sum_in_the_same_order(emulated):
     scores = emulated("rows", x, idx, w, b, g)[0]
     for family in ("rows-unroll2", "rows-unroll4"):
         assert torch.equal(emulated(family, x, idx, w, b, g)[0], scores), family
+
+
+def test_the_warp_per_label_input_backward_takes_each_tiles_way_by_its_density(emulated):
+    """Tiles of 32 labels whose gradient is dense, hinge-sparse (one row per label) or zero, side by side and over two
+    batch chunks: each tile's way (rows) gives what forcing either way on every tile gives, and the reference."""
+    x, idx, w, b, g = sparse_layer_problem(40, 300, 130, 37, 1.0, torch.float32, seed=3)
+    g[:, 32:64] = 0
+    g[5, 32:64] = torch.randn(32)  # one nonzero per label: sparse
+    g[:, 64:96] = 0  # a zero tile; the last (partial) tile stays dense in the first chunk
+    g[::3, 96:] = 0
+    g[32:, 96:] = 0
+    g[33, 100] = 1.5  # the second chunk: one nonzero in the last tile
+    expected = reference.backward_input(g, idx, w, 300)
+    for family in ("rows", "rows-dense", "rows-sparse"):
+        torch.testing.assert_close(emulated(family, x, idx, w, b, g)[1], expected, msg=family)
 
 
 @pytest.mark.parametrize("family", ["threads", "rows", "rows-unroll4"])

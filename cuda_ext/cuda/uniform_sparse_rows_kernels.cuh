@@ -101,15 +101,24 @@ __global__ void __launch_bounds__(kThreads) forward_kernel(
   }
 }
 
-// grad_xt[indices[k, j], b] += weight[k, j] * grad_out[b, j]: one warp-wide atomic add of a 128-byte
-// row per connection. Labels whose gradient is zero for the whole batch chunk are skipped.
-template <typename T>
+// grad_xt[indices[k, j], b] += weight[k, j] * grad_out[b, j], per tile of 32 labels x 32 batch rows one of two ways:
+// - dense: a warp per label, one warp-wide atomic add of a 128-byte row per connection (one L2 request for up to
+//   32 values); labels whose gradient is zero for the whole chunk are skipped;
+// - sparse (a tile with at most SparseRows nonzero gradients per label that has any, as the squared hinge's late in
+//   training): a lane per label, one atomic add per nonzero value and connection. The dense way would issue as
+//   many L2 requests (one per row with a nonzero value), but a warp instruction per label and connection.
+// The choice is the block's own, from the tile it has staged: no host round trip. SparseRows = 0 (32) forces the
+// dense (sparse) way, for the tests.
+constexpr int kSparseRowsPerLabel = 2;
+template <typename T, int SparseRows = kSparseRowsPerLabel>
 __global__ void __launch_bounds__(kThreads) backward_input_kernel(
     const T* __restrict__ g, const int32_t* __restrict__ idx, const T* __restrict__ w, T* __restrict__ gxt,
     int batch, int bpad, int conn, int labels) {
   __shared__ int32_t s_idx[kWarp][kTile];
   __shared__ T s_w[kWarp][kTile];
   __shared__ T s_g[kWarp][kTile + 1];
+  __shared__ unsigned s_rows[kTile];  // label l: bit b set where the chunk's row b has a nonzero gradient
+  __shared__ int s_counts[kWarps][2];  // per warp: nonzero values, labels with any
   const int lane = threadIdx.x % kWarp, warp = threadIdx.x / kWarp, j0 = blockIdx.x * kTile;
   for (int c0 = 0; c0 < batch; c0 += kWarp) {
     __syncthreads();
@@ -117,18 +126,47 @@ __global__ void __launch_bounds__(kThreads) backward_input_kernel(
     __syncthreads();
     T gv[kLabelsPerWarp];
     unsigned active = 0;  // bit i: the warp's label i has a nonzero gradient in this chunk
+    int nonzeros = 0;
 #pragma unroll
     for (int i = 0; i < kLabelsPerWarp; ++i) {
       gv[i] = s_g[lane][warp * kLabelsPerWarp + i];
-      if (__any_sync(kAll, gv[i] != T(0))) active |= 1u << i;
+      const unsigned rows = __ballot_sync(kAll, gv[i] != T(0));
+      if (rows) active |= 1u << i;
+      nonzeros += __popc(rows);
+      if (lane == 0) s_rows[warp * kLabelsPerWarp + i] = rows;
     }
-    if (!__syncthreads_or(active)) continue;
+    if (lane == 0) {
+      s_counts[warp][0] = nonzeros;
+      s_counts[warp][1] = __popc(active);
+    }
+    __syncthreads();
+    int tile_nonzeros = 0, tile_active = 0;
+#pragma unroll
+    for (int v = 0; v < kWarps; ++v) {
+      tile_nonzeros += s_counts[v][0];
+      tile_active += s_counts[v][1];
+    }
+    if (tile_active == 0) continue;
+    const bool sparse = tile_nonzeros <= SparseRows * tile_active;
     for (int k0 = 0; k0 < conn; k0 += kWarp) {
       __syncthreads();
       stage_tile(idx, conn, labels, k0, j0, s_idx);
       stage_tile(w, conn, labels, k0, j0, s_w);
       __syncthreads();
       const int kn = min(kWarp, conn - k0);
+      if (sparse) {  // lane = label, the warps share out the connections
+        const unsigned rows = s_rows[lane];
+        if (rows == 0) continue;
+        for (int k = warp; k < kn; k += kWarps) {
+          const T wk = s_w[k][lane];
+          T* dst = gxt + static_cast<int64_t>(s_idx[k][lane]) * bpad + c0;
+          for (unsigned left = rows; left; left &= left - 1) {
+            const int b = __ffs(left) - 1;
+            atomicAdd(dst + b, wk * s_g[b][lane]);
+          }
+        }
+        continue;
+      }
 #pragma unroll
       for (int i = 0; i < kLabelsPerWarp; ++i) {
         if (!(active & (1u << i))) continue;

@@ -9,6 +9,7 @@
 #include <algorithm>
 #include <atomic>
 #include <barrier>
+#include <bit>
 #include <cassert>
 #include <chrono>
 #include <cstdint>
@@ -117,6 +118,14 @@ inline bool __any_sync(unsigned, bool predicate) {
   const auto all = simt::exchange(int{predicate}, false);
   return std::any_of(all.begin(), all.end(), [](int p) { return p != 0; });
 }
+inline unsigned __ballot_sync(unsigned, bool predicate) {
+  const auto all = simt::exchange(int{predicate}, false);
+  unsigned bits = 0;
+  for (int i = 0; i < simt::kWarp; ++i) bits |= (all[i] != 0 ? 1u : 0u) << i;
+  return bits;
+}
+inline int __popc(unsigned x) { return std::popcount(x); }
+inline int __ffs(int x) { return x == 0 ? 0 : std::countr_zero(static_cast<unsigned>(x)) + 1; }
 template <typename T>
 T __shfl_xor_sync(unsigned, T value, int lane_mask) {
   return simt::exchange(value, false)[(threadIdx.x % simt::kWarp) ^ lane_mask];
