@@ -56,6 +56,10 @@ REFUSED = {
     "callback_wiring_overridden": (["callbacks.early_stop.patience=1"], "callbacks.early_stop.patience=1 would not be "
                                    "recorded: it is trainer.early_stop_patience; set trainer.early_stop_patience=1"),
     "callback_wiring_of_oc_select": (["callbacks.rewiring.every_n_steps=5"], "set dataset.rewire_every_n_steps=5"),
+    # the run read them at its end: a KeyError after the whole training
+    "callback_time_removed": (["~callbacks.time"], "~callbacks.time: the run needs this callback for its epoch and "
+                              "step times; keep it (only ~callbacks.rewiring and ~callbacks.early_stop may be removed)"),
+    "callback_best_removed": (["~callbacks.best"], "~callbacks.best: the run needs this callback for testing the best"),
     "memory_report_not_bool": (["trainer.memory_report=yes please"],
                                "trainer.memory_report='yes please' must be true or false"),
     "bf16_true": (["trainer.precision=bf16-true"], "trainer.precision=bf16-true: the sparse op of model.head=uniform "
@@ -166,6 +170,7 @@ ACCEPTED = [
     ["trainer.train_eval_max_points=null"], ["validate_on=holdout", "dataset.holdout_fraction=0.2"],
     ["model=dense", "model.head=dense"], ["dataset.propensity.A=0.5", "dataset.propensity.B=0.4"],
     ["model=unstructured", "model.distinct_sources=true"], ["dataset.data_seed=7"],
+    ["~callbacks.early_stop", "~callbacks.rewiring"],  # every epoch trained; a static sparse layer
 ]
 
 

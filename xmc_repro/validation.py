@@ -218,9 +218,9 @@ def validate(cfg: DictConfig) -> None:
     if OmegaConf.select(cfg, t + "cublas_workspace_mib", default=None) is not None:
         number(cfg, t + "cublas_workspace_mib", low=0, low_open=True, fix="in MiB, or null for torch's default")
     _optional_positive(cfg, "dataset.rewire_every_n_steps", "or null for no rewiring by steps")
-    if OmegaConf.select(cfg, "callbacks.time") is not None:
-        positive_int(OmegaConf.select(cfg, "callbacks.time.step_window", default=100), "callbacks.time.step_window",
-                     example=100)
+    _needed_callbacks(cfg)
+    positive_int(OmegaConf.select(cfg, "callbacks.time.step_window", default=100), "callbacks.time.step_window",
+                 example=100)
     _callback_wiring(cfg)
     number(cfg, "dataset.dropout", low=0, high=1, high_open=True)
     if OmegaConf.select(cfg, "dataset.holdout_fraction", default=None) is not None:
@@ -248,6 +248,20 @@ def callback_wiring(name: str) -> dict[str, str]:
     path = resource_dir("conf") / "callbacks" / f"{name}.yaml"
     own = OmegaConf.to_container(OmegaConf.load(path), resolve=False).get(name) if path.is_file() else None
     return {key: text for key, text in (own or {}).items() if isinstance(text, str) and _WIRED.match(text)}
+
+
+# The callbacks the run reads at its end (xmc_repro/train.py): removing one (~callbacks.time) failed the run after
+# its training. rewiring and early_stop may go (a static sparse layer; every epoch trained).
+NEEDED_CALLBACKS = {"memory": "its peak memory", "time": "its epoch and step times",
+                    "best": "testing the best epoch's weights", "last": "the checkpoints a resume continues from"}
+
+
+def _needed_callbacks(cfg: DictConfig) -> None:
+    present = cfg.get("callbacks") or {}
+    for name, why in NEEDED_CALLBACKS.items():
+        if not OmegaConf.is_dict(present.get(name)):
+            raise ConfigError(f"~callbacks.{name}: the run needs this callback for {why}; keep it (only "
+                              "~callbacks.rewiring and ~callbacks.early_stop may be removed)")
 
 
 def _callback_wiring(cfg: DictConfig) -> None:
