@@ -214,6 +214,14 @@ def test_resume_names_what_is_missing(tmp_path, monkeypatch):
     (tmp_path / "junk.ckpt").write_bytes(b"not a checkpoint")
     with pytest.raises(ConfigError, match="not a readable checkpoint .*; give a run id or a .ckpt file"):
         checkpoints.read(resume_checkpoint(str(tmp_path / "junk.ckpt")))
+    for run_id in ("df94aa11", "df94bb22"):  # the id's first characters, as a run's name ends with them
+        (tmp_path / "checkpoints" / run_id).mkdir()
+        (tmp_path / "checkpoints" / run_id / "last.ckpt").write_bytes(b"")
+    with pytest.raises(ConfigError, match=r"^resume=df94: no run has this whole id; runs here whose id starts so: "
+                                          r"df94aa11, df94bb22; pass the whole id, e.g. resume=df94aa11$"):
+        resume_checkpoint("df94", "sqlite:///unused.db")
+    with pytest.raises(ConfigError, match="resume=df9\*: neither a checkpoint file"):  # no pattern
+        resume_checkpoint("df9*")
 
 
 CREATED_THEN_KILLED = """

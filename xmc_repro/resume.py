@@ -9,6 +9,7 @@ a run killed before its folder existed is told by the process its tag `started_b
 
 from __future__ import annotations
 
+import glob
 import os
 import time
 from pathlib import Path
@@ -64,6 +65,13 @@ def resume_checkpoint(value, tracking_uri: str | None = None) -> Path:
     unstarted = close_unstarted(tracking_uri, str(value)) if tracking_uri is not None else None
     if unstarted:
         raise ConfigError(f"resume={value}: {unstarted}")
+    # A run's name ends with the first characters of its id (`... seed0 df94`): those alone name no folder.
+    started = sorted(d.name for d in CHECKPOINT_ROOT.glob(glob.escape(str(value)) + "*")
+                     if (d / checkpoints.LAST).is_file())
+    if started:
+        raise ConfigError(f"resume={value}: no run has this whole id; runs here whose id starts so: "
+                          f"{', '.join(started[:3])}{' ...' if len(started) > 3 else ''}; pass the whole id, e.g. "
+                          f"resume={started[0]}")
     raise ConfigError(
         f"resume={value}: neither a checkpoint file nor a run with {by_run} in {Path.cwd()}; pass the run id from "
         "the directory the run was started in, or the path of its last.ckpt"
