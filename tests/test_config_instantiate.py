@@ -185,3 +185,12 @@ def test_the_unstructured_head_rewires_the_authors_fraction_with_and_without_an_
     assert fraction("model.intermediate=1024") == 0.1  # "dense-sparse": the task's fraction, the paper's
     assert fraction("model.rewire_fraction=0.1") == 0.1
     assert _compose(["model=uniform"]).callbacks.rewiring.fraction == 0.1
+
+
+def test_the_summary_says_why_the_last_epochs_weights_were_tested():
+    from xmc_repro.describe import selection
+
+    assert selection(_compose([]), "last epoch").endswith("max_epochs ended the run before early stopping")
+    assert selection(_compose(["~callbacks.early_stop"]), "last epoch").endswith("no early stopping "
+                                                                              "(~callbacks.early_stop)")
+    assert selection(_compose([]), "best epoch").startswith("epoch chosen on test P@3")

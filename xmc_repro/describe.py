@@ -54,6 +54,8 @@ def selection(cfg: DictConfig, tested_weights: str | None = None) -> str | None:
     """Which weights were tested (`tested_weights`: "best epoch" | "last epoch") and which split chose the best
     epoch and stopped training (None when the config does not say)."""
     if tested_weights == "last epoch":  # trainer.restore_best=early_stop, as the authors' Keras code
+        if OmegaConf.select(cfg, "callbacks.early_stop") is None:
+            return "tested with the last epoch's weights: no early stopping (~callbacks.early_stop)"
         return "tested with the last epoch's weights: max_epochs ended the run before early stopping"
     split = OmegaConf.select(cfg, "validate_on")
     if split == "test":  # the early-stopping and LR-halving monitor too, see conf/trainer/default.yaml
