@@ -167,3 +167,17 @@ def test_the_counters_step_launches_the_benchmarks_kernels(steps):
     assert "regex:xmc_sparse::" in SCRIPT.read_text()
     for header in ("uniform_sparse_kernels.cuh", "uniform_sparse_rows_kernels.cuh"):
         assert "namespace xmc_sparse {" in (ROOT / "cuda_ext" / "cuda" / header).read_text()
+
+
+def test_the_summary_keeps_the_counters_kernel_names():
+    """ncu heads each kernel's sections with its demangled name, `void ` first for a template; the summary dropped
+    those lines, leaving 12 blocks of counters that named no kernel."""
+    pattern = re.search(r'grep -E "([^"]+)" "\$LOGS/counters.log"', SCRIPT.read_text()).group(1)
+    log = ("launched: uniform-rows backward_input hinge\n"
+           "  void xmc_sparse::rows::backward_input_kernel<float, 2>(const T1 *, const int *, const T1 *, T1 *, int, "
+           "int, int, int) (20941, 1, 1)x(128, 1, 1), Context 1, Stream 7, Device 0, CC 9.0\n"
+           "    Section: GPU Speed Of Light Throughput\n"
+           "    Duration                         us        51.23\n"
+           "    DRAM Frequency                  Ghz         2.62\n")
+    kept = subprocess.run(["grep", "-E", pattern], input=log, capture_output=True, text=True).stdout.splitlines()
+    assert [line.split()[0] for line in kept] == ["launched:", "void", "Duration"]
