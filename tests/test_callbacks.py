@@ -187,6 +187,28 @@ def test_a_resumed_epochs_time_counts_the_time_before_its_checkpoint():
     assert logged["epoch_time_s"] < 10.0
 
 
+def test_a_long_epoch_resumed_near_its_end_logs_no_window_of_its_last_batches():
+    """A run resumed at batch 240 of 250 (step_window 100) logged those 10 batches, restart included, as a window of
+    their own: an epoch longer than the window drops its tail, resumed or not."""
+    from types import SimpleNamespace
+
+    logger = _Kept()
+    trainer = SimpleNamespace(num_training_batches=250, loggers=[logger], global_step=0)
+    module = SimpleNamespace(device=torch.device("cpu"))
+    resumed = EpochTime(step_window=100)
+    resumed.on_train_start(trainer, module)  # mid-epoch: no on_train_epoch_start
+    for batch_idx in range(240, 250):
+        resumed.on_train_batch_start(trainer, module, None, batch_idx)
+        resumed.on_train_batch_end(trainer, module, None, None, batch_idx)
+    assert resumed.step_ms == [] and not logger.metrics
+    short = SimpleNamespace(num_training_batches=100, loggers=[logger], global_step=0)
+    resumed.on_train_epoch_start(short, module)  # an epoch of step_window batches: one window, closed at its end
+    for batch_idx in range(100):
+        resumed.on_train_batch_start(short, module, None, batch_idx)
+        resumed.on_train_batch_end(short, module, None, None, batch_idx)
+    assert len(resumed.step_ms) == 1 and len(logger.metrics) == 1
+
+
 def test_a_step_profile_covers_the_asked_steps_and_lands_in_the_runs_folder(tmp_path, capsys):
     from xmc_repro import trace_gaps
 

@@ -178,8 +178,9 @@ class EpochTime(pl.Callback):
         self._window = (time.perf_counter(), batch_idx)  # after the logging (a store write): no window counts it
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        last = batch_idx + 1 == trainer.num_training_batches
-        if last and not self.epoch_step_ms:  # a short epoch: its only window (a longer one's tail is dropped)
+        # A short epoch: its only window. A longer one's tail is dropped, also after a mid-epoch resume (its last
+        # few batches and the restart's warm-up would make a window).
+        if batch_idx + 1 == trainer.num_training_batches <= self.step_window:
             self._close_window(trainer, pl_module, batch_idx + 1)
             self._window = None
 
