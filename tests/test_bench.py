@@ -254,6 +254,11 @@ def test_an_unusable_out_folder_is_refused_in_one_line_before_anything_is_timed(
         assert info.value.code == 2 and f"--out {out}: cannot write results there" in err and "Traceback" not in err
 
 
+def test_a_refused_out_leaves_none_of_the_folders_its_check_made(tmp_path):
+    """--out new/<a name too long>: `new` was made before the name failed, and stayed."""
+    assert bench.usable_out(tmp_path / "new" / ("x" * 300)) and not list(tmp_path.iterdir())
+
+
 def test_candidate_kernels_are_refused_before_anything_is_timed_without_compiled_cuda(tmp_path, capsys, monkeypatch):
     """On a GPU whose CUDA kernels did not build (the op falls back to the reference), --methods uniform-rows ended
     in a traceback (no xmc_bench ops) after the other methods had been timed, and nothing was written."""

@@ -516,8 +516,8 @@ def usable_out(out: Path) -> str | None:
         for folder in made:
             try:
                 folder.rmdir()
-            except OSError:  # never made, or something else wrote there meanwhile
-                break
+            except OSError:  # never made (its parents may have been), or something else wrote there meanwhile
+                continue
     return None
 
 
