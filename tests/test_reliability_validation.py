@@ -60,6 +60,9 @@ REFUSED = {
     "callback_time_removed": (["~callbacks.time"], "~callbacks.time: the run needs this callback for its epoch and "
                               "step times; keep it (only ~callbacks.rewiring and ~callbacks.early_stop may be removed)"),
     "callback_best_removed": (["~callbacks.best"], "~callbacks.best: the run needs this callback for testing the best"),
+    # a TypeError from the wiring check
+    "callback_set_to_null": (["callbacks.early_stop=null"], "callbacks.early_stop=null: remove a callback with "
+                             "~callbacks.early_stop"),
     "memory_report_not_bool": (["trainer.memory_report=yes please"],
                                "trainer.memory_report='yes please' must be true or false"),
     "bf16_true": (["trainer.precision=bf16-true"], "trainer.precision=bf16-true: the sparse op of model.head=uniform "

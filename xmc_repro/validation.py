@@ -262,6 +262,10 @@ def _needed_callbacks(cfg: DictConfig) -> None:
         if not OmegaConf.is_dict(present.get(name)):
             raise ConfigError(f"~callbacks.{name}: the run needs this callback for {why}; keep it (only "
                               "~callbacks.rewiring and ~callbacks.early_stop may be removed)")
+    for name, node in present.items():  # `callbacks.early_stop=null` met a TypeError further on
+        if not OmegaConf.is_dict(node):
+            raise ConfigError(f"callbacks.{name}={'null' if node is None else node}: remove a callback with "
+                              f"~callbacks.{name}")
 
 
 def _callback_wiring(cfg: DictConfig) -> None:
