@@ -151,7 +151,7 @@ def test_the_scripts_parse_and_the_collector_reads_the_packed_folder():
     assert f"logs=$tmp/{packed}\n" in (ROOT / "scripts" / "gpu_collect.sh").read_text()
 
 
-def test_the_counters_step_launches_the_benchmarks_kernels(steps):
+def test_the_counters_step_launches_the_benchmarks_kernels(steps, tmp_path):
     """scripts/gpu_kernel_counters.py runs the layer benchmark's methods; ncu keeps the kernels of xmc_sparse::."""
     import importlib.util
 
@@ -163,8 +163,20 @@ def test_the_counters_step_launches_the_benchmarks_kernels(steps):
     for method, phase, grad in counters.RUNS:
         assert method in bench.ALL + bench.ON_REQUEST and grad in ("hinge", "bce"), method
         assert phase == "forward" if method in bench.UNROLLED else phase in bench.PHASES, (method, phase)
-    assert steps["counters"].startswith("env XMC_SPARSE_KERNELS=threads python3 scripts/gpu_kernel_counters.py")
-    assert "regex:xmc_sparse::" in SCRIPT.read_text()
+    # Under ncu where the machine has one (a CUDA toolkit in /usr/local/cuda* has, maybe here too): the exact command
+    # from a stand-in ncu first on PATH.
+    assert steps["counters"].endswith(" python3 scripts/gpu_kernel_counters.py")
+    (tmp_path / "ncu").write_text("#!/bin/sh\n")
+    (tmp_path / "ncu").chmod(0o755)
+    env = {"PATH": f"{tmp_path}:{os.environ['PATH']}", "HOME": str(tmp_path), "DRY_RUN": "1"}
+    listed = subprocess.run(["bash", str(SCRIPT)], env=env, capture_output=True, text=True, timeout=60).stdout
+    profiled = next(m.group(3) for m in map(STEP.fullmatch, listed.splitlines()) if m and m.group(1) == "counters")
+    assert shlex.split(profiled) == ["env", "XMC_SPARSE_KERNELS=threads", str(tmp_path / "ncu"), "--kernel-name-base",
+                                     "demangled", "--kernel-name", "regex:xmc_sparse::", "--clock-control", "none",
+                                     *[w for s in ("SpeedOfLight", "MemoryWorkloadAnalysis",
+                                                   "MemoryWorkloadAnalysis_Tables", "WarpStateStats", "Occupancy",
+                                                   "LaunchStats") for w in ("--section", s)],
+                                     "python3", "scripts/gpu_kernel_counters.py"]
     for header in ("uniform_sparse_kernels.cuh", "uniform_sparse_rows_kernels.cuh"):
         assert "namespace xmc_sparse {" in (ROOT / "cuda_ext" / "cuda" / header).read_text()
 
