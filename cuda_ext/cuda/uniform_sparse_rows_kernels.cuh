@@ -104,9 +104,10 @@ __global__ void __launch_bounds__(kThreads) forward_kernel(
 // grad_xt[indices[k, j], b] += weight[k, j] * grad_out[b, j], per tile of 32 labels x 32 batch rows one of two ways:
 // - dense: a warp per label, one warp-wide atomic add of a 128-byte row per connection (one L2 request for up to
 //   32 values); labels whose gradient is zero for the whole chunk are skipped;
-// - sparse (a tile with at most SparseRows nonzero gradients per label that has any, as the squared hinge's late in
-//   training): a lane per label, one atomic add per nonzero value and connection. The dense way would issue as
-//   many L2 requests (one per row with a nonzero value), but a warp instruction per label and connection.
+// - sparse (a tile with at most SparseRows nonzero gradients per label that has any, on average over the tile, as
+//   the squared hinge's late in training): a lane per label, one atomic add per nonzero value and connection. At one
+//   nonzero row per label the dense way issues as many L2 requests (a 128-byte row with one lane active), at two up
+//   to half as many, but a warp instruction per label and connection against one per 32 labels here.
 // The choice is the block's own, from the tile it has staged: no host round trip. SparseRows = 0 (32) forces the
 // dense (sparse) way, for the tests.
 constexpr int kSparseRowsPerLabel = 2;
