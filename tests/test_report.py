@@ -211,6 +211,23 @@ def test_a_run_that_predates_a_setting_shows_the_value_it_trained_with_or_unknow
     }
 
 
+def test_a_run_without_early_stopping_is_not_a_seed_of_runs_with_it(store, tmp_path):
+    """~callbacks.early_stop trains every epoch: such a run was averaged with the default runs of its configuration
+    (the callbacks were no params). Runs from before they were differ from none."""
+    older = {**params_of(BIBTEX, "uniform", 32), "model/init": "authors"}
+    default = {**older, "callbacks": "rewiring,memory,time,early_stop,best,last", "callbacks/best/monitor": "val/p_at_3"}
+    log_run(store, older, metrics_of(10.0), table="differences", start=10)
+    log_run(store, {**default, "seed": "1"}, metrics_of(20.0), table="differences", start=11)
+    log_run(store, {**default, "callbacks": "rewiring,memory,time,best,last", "seed": "2"}, metrics_of(30.0),
+            table="differences", start=12)
+    rows = export(tmp_path / "runs.csv", store)
+    assert {r["settings"]: (r["seeds"], float(r["test_p1"])) for r in rows} == {
+        "callbacks=?": ("0", 10.0),
+        "callbacks=rewiring,memory,time,early_stop,best,last": ("1", 20.0),
+        "callbacks=rewiring,memory,time,best,last": ("2", 30.0),
+    }
+
+
 def test_runs_from_before_a_setting_are_not_seeds_or_reruns_of_later_runs_with_its_default(store, tmp_path):
     # After an upgrade: runs from before trainer.adam_eps_placement (torch's Adam) and the unstructured head's
     # distinct_sources (distinct positions), then the same configurations with the new defaults (keras, False)

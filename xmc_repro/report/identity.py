@@ -53,6 +53,9 @@ SETTINGS = (
     "trainer/lr_patience", "trainer/lr_threshold", "trainer/min_lr", "trainer/early_stop_patience",
     "trainer/early_stop_min_delta", "trainer/restore_best", "trainer/shuffle_buffer", "trainer/limit_train_batches",
     "trainer/train_eval_max_points", "validate_on",
+    # the callbacks in use (~callbacks.early_stop trains every epoch) and what chooses the tested epoch; runs from
+    # before these were params differ from none in them
+    "callbacks", "callbacks/best/monitor", "callbacks/best/mode",
 )  # fmt: skip
 NO_SCALE = "none"  # a run tagged with a table but launched without a scale
 # The heads the columns above describe; a head of one's own (README, "A new last layer") is told apart by its own
