@@ -59,6 +59,21 @@ def test_keys_added_with_plus_that_some_config_declares_pass():
     assert "--cfg job" in added_setting(["+zzz.q=1"])
 
 
+def test_a_callback_added_with_plus_and_its_class_passes():
+    """Every key under `callbacks` is a callback the run builds: one added on the command line was refused as a key
+    "nothing reads". Without its class, or under a near miss of a callback's name, it is still refused."""
+    from xmc_repro.cli import added_setting
+
+    assert added_setting(["+callbacks.lr._target_=lightning.pytorch.callbacks.LearningRateMonitor",
+                          "+callbacks.lr.logging_interval=epoch"]) is None
+    assert added_setting(["+callbacks.lr={_target_: lightning.pytorch.callbacks.LearningRateMonitor}"]) is None
+    assert added_setting(["+callbacks.lr.logging_interval=epoch"]) == (
+        "unknown setting 'callbacks.lr.logging_interval': '+' added it, but nothing reads it; a new callback needs its "
+        "class too: +callbacks.lr._target_=package.module.Class")
+    assert "did you mean 'callbacks.early_stop._target_'?" in added_setting(["+callbacks.erly_stop._target_=x.Y"])
+    assert "did you mean 'callbacks.time.step_window'?" in added_setting(["+callbacks.time.step_windw=5"])
+
+
 def test_a_sweeps_job_is_named_by_the_overrides_its_sweep_varies(tmp_path):
     """A failed job's line repeated every override of the sweep (every job's alike but one value), twice per failure
     with the sweep's last line: hundreds of characters before the reason."""

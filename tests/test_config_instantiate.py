@@ -14,7 +14,7 @@ from torch import nn
 
 from xmc_repro.data.datamodule import LabelCounts
 from xmc_repro.errors import ConfigError
-from xmc_repro.model import XMCClassifier, build_loss
+from xmc_repro.model import XMCClassifier, build_loss, check_targets
 from xmc_repro.report import grid
 from xmc_repro.train import build_callbacks, build_model
 from xmc_repro.validation import validate
@@ -77,6 +77,7 @@ def test_every_job_of_every_preset_builds_its_model_loss_and_callbacks(table, sc
     heads = set()
     for job, cfg in preset_configs(table, scale):
         validate(cfg)
+        check_targets(cfg)
         model = build_model(cfg, _fake_data())
         heads.add(cfg.model.head)
         assert model.hparams.intermediate == cfg.model.intermediate, job
@@ -194,3 +195,63 @@ def test_the_summary_says_why_the_last_epochs_weights_were_tested():
     assert selection(_compose(["~callbacks.early_stop"]), "last epoch").endswith("no early stopping "
                                                                               "(~callbacks.early_stop)")
     assert selection(_compose([]), "best epoch").startswith("epoch chosen on test P@3")
+
+def margin_hinge(scores, label_ptr, label_idx, margin: float = 1.0):
+    """A loss of one's own (README: a function of (scores, label_ptr, label_idx) with settings of its own)."""
+    from xmc_repro.losses import dense_targets
+
+    y = dense_targets(label_ptr, label_idx, scores.shape[1], scores.device, scores.dtype)
+    return torch.relu(margin - (2 * y - 1) * scores).pow(2).mean()
+
+
+def _with(**groups):
+    """The default config with `groups` (loss=..., callbacks=...) replaced, as a file of one's own would give them."""
+    cfg = _compose(["model=dense"])
+    OmegaConf.set_struct(cfg, False)
+    for group, value in groups.items():
+        cfg[group] = OmegaConf.merge(cfg[group], value) if group == "callbacks" else OmegaConf.create(value)
+    return cfg
+
+
+OWN_LOSS = {"_target_": f"{__name__}.margin_hinge", "_partial_": True, "name": "margin_hinge", "margin": 2.0}
+
+
+@pytest.mark.parametrize("groups, line", [
+    # each failed the run after its data had loaded and its MLflow run had opened, with a traceback
+    ({"loss": {**OWN_LOSS, "_target_": f"{__name__}.margin_hinj"}},
+     rf"^loss._target_={__name__}.margin_hinj cannot be imported \(ModuleNotFoundError: No module named "),
+    ({"loss": {**OWN_LOSS, "_partial_": False}},
+     r"^loss._partial_ is not true: the loss is the function itself, called every step with \(scores, label_ptr, "
+     r"label_idx\); add `_partial_: true`"),
+    ({"loss": {"_target_": "builtins.max", "_partial_": True, "name": "max"}}, None),  # no signature to read: passes
+    ({"loss": {"_target_": "xmc_repro.losses.first_occurrences", "_partial_": True, "name": "first"}},
+     r"^loss._target_=xmc_repro.losses.first_occurrences cannot be called as loss\(scores, label_ptr, label_idx\)"),
+    ({"model": {"_target_": "nowhere.Head", "head": "mine"}}, r"^model._target_=nowhere.Head cannot be imported"),
+    ({"callbacks": {"hello": {"word": "hi"}}}, r"^callbacks.hello has no _target_; add `_target_: package.module.Name`"),
+    # trained without it, while MLflow recorded loss/margn (and callbacks/lr/logging_intervl) as params
+    ({"loss": {**OWN_LOSS, "margn": 3.0}},
+     rf"^loss.margn is not a setting of {__name__}.margin_hinge \(it takes margin\), so it would be ignored; fix or "
+     r"remove it in"),
+    ({"callbacks": {"lr": {"_target_": "lightning.pytorch.callbacks.LearningRateMonitor", "logging_intervl": "step"}}},
+     r"^callbacks.lr.logging_intervl is not a setting of lightning.pytorch.callbacks.LearningRateMonitor \(it takes "
+     r"logging_interval, "),
+])
+def test_what_a_run_builds_is_checked_before_its_data_loads(groups, line):
+    cfg = _with(**groups)
+    if line is None:
+        check_targets(cfg)
+        return
+    with pytest.raises(ConfigError, match=line) as info:
+        check_targets(cfg)
+    assert "\n" not in str(info.value)
+
+
+def test_a_loss_and_a_callback_of_ones_own_pass_and_are_built(tmp_path):
+    cfg = _with(loss=OWN_LOSS, callbacks={"lr": {"_target_": "lightning.pytorch.callbacks.LearningRateMonitor",
+                                                 "logging_interval": "epoch"}})
+    check_targets(cfg)
+    for preset in ("bce", "squared_hinge"):
+        check_targets(_compose([f"loss={preset}"]))
+    model = build_model(cfg, _fake_data())
+    assert model.loss_fn.keywords == {"margin": 2.0}
+    assert build_callbacks(cfg, tmp_path)["lr"].logging_interval == "epoch"

@@ -195,13 +195,16 @@ def added_setting(overrides: list[str]) -> str | None:
     from hydra.core.override_parser.types import OverrideType
 
     conf = resource_dir("conf")
-    for override in OverridesParser.create().parse_overrides(overrides):
+    parsed = OverridesParser.create().parse_overrides(overrides)
+    for override in parsed:
         key = override.key_or_group
         if override.type not in (OverrideType.ADD, OverrideType.FORCE_ADD) or override.package is not None:
             continue
         top, _, rest = key.partition(".")
         if top == "hydra" or "/" in key or (not rest and (conf / top).is_dir()):
             continue
+        if top == "callbacks" and _new_callback(rest.partition(".")[0], parsed):
+            continue  # every key under callbacks is a callback the run builds (train.build_callbacks)
         group = top if rest and (conf / top).is_dir() else None
         known = declared_settings(group)
         if group is None:
@@ -211,8 +214,26 @@ def added_setting(overrides: list[str]) -> str | None:
         match = closest(rest if group else key, known)
         hint = f"did you mean '{group + '.' if group else ''}{match}'?" if match else \
             "python -m xmc_repro --cfg job lists every setting"
+        if group == "callbacks" and not match:  # a callback of one's own, added without its class
+            name = rest.partition(".")[0]
+            hint = f"a new callback needs its class too: +callbacks.{name}._target_=package.module.Class"
         return f"unknown setting '{key}': '+' added it, but nothing reads it; {hint}"
     return None
+
+
+def _new_callback(name: str, parsed) -> bool:
+    """Whether the command line adds callback `name` with its class (`+callbacks.<name>._target_=pkg.Class`, or
+    `+callbacks.<name>={_target_: pkg.Class, ...}`), under a name no callback file uses (a near miss of one, such as
+    `+callbacks.erly_stop`, is a typo). What it builds is checked before the data loads (model.check_targets)."""
+    known = declared_settings("callbacks")
+    if name in known or closest(name, [k for k in known if "." not in k]):
+        return False
+    for override in parsed:
+        key, value = override.key_or_group, override.value()
+        if key == f"callbacks.{name}._target_" or (key == f"callbacks.{name}" and isinstance(value, dict)
+                                                   and "_target_" in value):
+            return True
+    return False
 
 
 def task_overrides(hydra_config) -> list[str]:

@@ -72,6 +72,85 @@ def instantiate_with(spec, *args, **kwargs):
         raise
 
 
+def _file_of(group: str, name: str | None = None) -> str:
+    """The config file a setting of `group` comes from, for messages: conf/<group>/<this run's choice>.yaml (a
+    callback's: conf/callbacks/<its name>.yaml)."""
+    if name is None:
+        try:
+            from hydra.core.hydra_config import HydraConfig
+
+            name = HydraConfig.get().runtime.choices.get(group)
+        except ValueError:  # outside a Hydra app
+            pass
+    if group == "callbacks":  # a callback may also come from the command line (+callbacks.<name>._target_=...)
+        return f"conf/callbacks/{name}.yaml (or the +callbacks.{name} override)"
+    return f"conf/{group}/{name}.yaml" if name else f"its file in conf/{group}/"
+
+
+def _target(spec, setting: str, where: str):
+    """The object `spec._target_` names; ConfigError (one line) when there is none or it cannot be imported."""
+    from hydra._internal.utils import _locate  # get_object's own lookup, without its log line on stderr
+
+    target = spec.get("_target_") if OmegaConf.is_dict(spec) else None
+    if not isinstance(target, str) or not target:
+        raise ConfigError(f"{setting} has no _target_; add `_target_: package.module.Name` (what it builds) to {where}")
+    try:
+        return _locate(target)
+    except Exception as error:
+        cause = error.__cause__ or error
+        lines = str(error).splitlines()
+        hint = lines[-1] if len(lines) > 2 else ""  # Hydra's "Are you sure that 'X' is importable from ...?"
+        raise ConfigError(f"{setting}._target_={target} cannot be imported ({type(cause).__name__}: "
+                          f"{' '.join(str(cause).split())}{'; ' + hint if hint else ''}); fix it in {where}, or run "
+                          "from the folder that holds its package") from None
+
+
+def _ignored_settings(spec, target, setting: str, where: str, reserved=()) -> None:
+    """instantiate_with passes only the settings the target's signature names: any other key of a loss's or a
+    callback's file would be ignored, while MLflow records it as a param."""
+    try:
+        names = inspect.signature(target).parameters
+    except (TypeError, ValueError):  # no signature to read (a builtin): instantiate_with passes nothing either
+        return
+    extra = [key for key in spec if key not in names and key not in reserved and not str(key).startswith("_")]
+    if extra:
+        takes = [name for name, p in names.items()
+                 if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) and name not in LOSS_ARGUMENTS]
+        raise ConfigError(f"{setting}.{extra[0]} is not a setting of {spec._target_} (it takes "
+                          f"{', '.join(takes) or 'none'}), so it would be ignored; fix or remove it in {where}")
+
+
+LOSS_ARGUMENTS = ("scores", "label_ptr", "label_idx")  # what the training step calls a loss with
+
+
+def check_targets(cfg) -> None:
+    """The classes and functions a run builds (model, loss, callbacks: their `_target_`), checked before its data
+    loads and its MLflow run opens: a name that cannot be imported, a loss that is not a function of (scores,
+    label_ptr, label_idx), or a setting its function does not take (ignored, yet recorded) each failed the run after
+    its data had loaded, with a traceback. One line (ConfigError) naming the setting and the file to fix."""
+    _target(cfg.model, "model", _file_of("model"))
+    where = _file_of("loss")
+    loss = _target(cfg.loss, "loss", where)
+    if cfg.loss.get("_partial_") is not True:
+        raise ConfigError(f"loss._partial_ is not true: the loss is the function itself, called every step with "
+                          f"({', '.join(LOSS_ARGUMENTS)}); add `_partial_: true` to {where}")
+    _ignored_settings(cfg.loss, loss, "loss", where, reserved=("name",))
+    try:
+        settings = {key: None for key in cfg.loss if key in inspect.signature(loss).parameters}
+        inspect.signature(loss).bind(*LOSS_ARGUMENTS, **settings)
+    except TypeError as error:
+        raise ConfigError(f"loss._target_={cfg.loss._target_} cannot be called as loss({', '.join(LOSS_ARGUMENTS)}) "
+                          f"({error}); fix the function or {where}") from None
+    except ValueError:  # no signature to read
+        pass
+    for name, spec in (cfg.get("callbacks") or {}).items():
+        where = _file_of("callbacks", name)
+        if not OmegaConf.is_dict(spec):
+            raise ConfigError(f"callbacks.{name}={spec!r} is not a callback's config; give it its class "
+                              f"(`_target_: package.module.Class`) and settings in {where}")
+        _ignored_settings(spec, _target(spec, f"callbacks.{name}", where), f"callbacks.{name}", where)
+
+
 def head_spec(head: str, **settings) -> dict:
     """The settings of head `head`: conf/model/<head>.yaml under `settings` (a whole model config has `_target_`)."""
     if "_target_" in settings:

@@ -33,7 +33,7 @@ from xmc_repro.describe import run_name
 from xmc_repro.distributed import another_rank_stopped, launch_problem, launch_rank
 from xmc_repro.errors import ConfigError, StorageError, UserError, left_running
 from xmc_repro.metrics import inverse_propensity
-from xmc_repro.model import NonFiniteLossError, XMCClassifier, instantiate_with
+from xmc_repro.model import NonFiniteLossError, XMCClassifier, check_targets, instantiate_with
 from xmc_repro.report.records import WRITER
 from xmc_repro.resume import CHECKPOINT_ROOT, note_started, prepare
 from xmc_repro.tracking import RunTracker, device_name, git_commit, is_contention, short_error, writer_tag
@@ -44,6 +44,7 @@ from xmc_repro.validation import validate as validate_values
 def validate(cfg: DictConfig) -> None:
     """The config's values (`xmc_repro.validation`), then whether this launch can run it."""
     validate_values(cfg)
+    check_targets(cfg)  # imports the user's own heads, losses and callbacks: after torch, before the data
     accelerator = str(cfg.trainer.accelerator)
     if accelerator in ("gpu", "cuda") and not torch.cuda.is_available():  # Lightning's error is a traceback
         raise ConfigError(f"trainer.accelerator={accelerator} but no CUDA device is visible here; use "
