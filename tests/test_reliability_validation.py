@@ -63,6 +63,16 @@ REFUSED = {
     # a TypeError from the wiring check
     "callback_set_to_null": (["callbacks.early_stop=null"], "callbacks.early_stop=null: remove a callback with "
                              "~callbacks.early_stop"),
+    # Lightning found the name missing only after the first epoch had trained: a traceback, the epoch lost
+    "best_monitor_not_logged": (["callbacks.best.monitor=val/p@1"], "callbacks.best.monitor='val/p@1' is not a metric "
+                                "the run logs every epoch; choose one of val/p_at_1, val/p_at_3, val/p_at_5"),
+    "best_mode_unknown": (["callbacks.best.mode=maximum"], "callbacks.best.mode='maximum' is unknown; choose one of max"),
+    # a dataset or loss file of one's own without a name: the run named "None", or failed as it opened, blaming the
+    # MLflow store; the report refused its record after training
+    "dataset_without_name": (["~dataset.name"], "dataset.name=None must be a name (run names and the report name the "
+                             "run by it); add `name: MyData` to the dataset's file"),
+    "dataset_without_features": (["~dataset.features"], "dataset.features=None must be a name"),
+    "loss_without_name": (["~loss.name"], "loss.name=None must be a name"),
     "memory_report_not_bool": (["trainer.memory_report=yes please"],
                                "trainer.memory_report='yes please' must be true or false"),
     "bf16_true": (["trainer.precision=bf16-true"], "trainer.precision=bf16-true: the sparse op of model.head=uniform "
@@ -174,6 +184,7 @@ ACCEPTED = [
     ["model=dense", "model.head=dense"], ["dataset.propensity.A=0.5", "dataset.propensity.B=0.4"],
     ["model=unstructured", "model.distinct_sources=true"], ["dataset.data_seed=7"],
     ["~callbacks.early_stop", "~callbacks.rewiring"],  # every epoch trained; a static sparse layer
+    ["callbacks.best.monitor=val/p_at_5"], ["callbacks.best.monitor=val/p_at_1", "callbacks.best.mode=max"],
 ]
 
 
@@ -290,4 +301,41 @@ def test_through_the_command_line(tmp_path_factory):
         assert stderr_lines(result.stderr) == [CLI_CASES[setting]] or (
             len(stderr_lines(result.stderr)) == 1 and stderr_lines(result.stderr)[0].startswith(CLI_CASES[setting])
         ), result.stderr[-2000:]
+        assert runs(directory) == []
+
+
+# Files of one's own, as the README's "A new last layer" has a user write them: a loss (its function beside them) and
+# a dataset, in a config folder of their own (--config-dir). Each mistake below failed the run after its data had
+# loaded (a traceback), or as its MLflow run opened with a line blaming the store.
+OWN_FILES = {
+    "mylosses.py": "def margin_hinge(scores, label_ptr, label_idx, margin=1.0):\n    return scores.sum() * 0\n",
+    "myconf/loss/margin_hinge.yaml": "_target_: mylosses.margin_hinge\n_partial_: true\nname: margin_hinge\nmargn: 2.0\n",
+    "myconf/dataset/mine.yaml": "features: synthetic\nkind: synthetic\nnum_train: 64\nnum_test: 32\nnum_features: 16\n"
+                                "num_labels: 24\nlatent_dim: 4\npropensity: {A: 0.55, B: 1.5}\ndropout: 0.1\n"
+                                "max_epochs: 1\nrewire_every_n_steps: 7\n",
+}
+OWN_CASES = {
+    "loss=margin_hinge": "error: loss.margn is not a setting of mylosses.margin_hinge (it takes margin), so it would be "
+                         "ignored; fix or remove it in conf/loss/margin_hinge.yaml",
+    "dataset=mine": "error: dataset.name=None must be a name (run names and the report name the run by it); add "
+                    "`name: MyData` to the dataset's file (conf/dataset/<file>.yaml)",
+}
+
+
+def test_files_of_ones_own_are_checked_before_any_run(tmp_path_factory):
+    store = make_store(tmp_path_factory.mktemp("store"))
+
+    def one(choice):
+        directory = tmp_path_factory.mktemp("own")
+        for name, text in OWN_FILES.items():
+            (directory / name).parent.mkdir(parents=True, exist_ok=True)
+            (directory / name).write_text(text)
+        copy_store(store, directory)
+        return directory, cli(directory, ["--config-dir", "myconf", *TINY, choice])
+
+    with ThreadPoolExecutor(2) as pool:
+        results = dict(zip(OWN_CASES, pool.map(one, OWN_CASES)))
+    for choice, (directory, result) in results.items():
+        assert result.returncode == 2, result.stderr[-2000:]
+        assert stderr_lines(result.stderr) == [OWN_CASES[choice]], result.stderr[-2000:]
         assert runs(directory) == []

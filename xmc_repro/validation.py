@@ -219,6 +219,7 @@ def validate(cfg: DictConfig) -> None:
         number(cfg, t + "cublas_workspace_mib", low=0, low_open=True, fix="in MiB, or null for torch's default")
     _optional_positive(cfg, "dataset.rewire_every_n_steps", "or null for no rewiring by steps")
     _needed_callbacks(cfg)
+    _best_checkpoint(cfg)
     positive_int(OmegaConf.select(cfg, "callbacks.time.step_window", default=100), "callbacks.time.step_window",
                  example=100)
     _callback_wiring(cfg)
@@ -233,6 +234,7 @@ def validate(cfg: DictConfig) -> None:
     if not isinstance(uri, str) or not uri.strip():  # MLflow would take its own default store, Lightning ./mlruns
         raise ConfigError(f"logger.tracking_uri={uri!r} names no store (an empty MLFLOW_TRACKING_URI?); set it to "
                           "sqlite:///mlruns.db or an http://host:port tracking server, or unset MLFLOW_TRACKING_URI")
+    _names(cfg)
     _dataset(cfg)
     if cfg.validate_on not in ("test", "holdout"):
         raise ConfigError(f"validate_on={cfg.validate_on!r} must be 'test' (the authors' protocol) or 'holdout'")
@@ -266,6 +268,35 @@ def _needed_callbacks(cfg: DictConfig) -> None:
         if not OmegaConf.is_dict(node):
             raise ConfigError(f"callbacks.{name}={'null' if node is None else node}: remove a callback with "
                               f"~callbacks.{name}")
+
+
+# What the best checkpoint may watch: the metrics every epoch's validation logs (XMCClassifier.on_validation_epoch_end).
+# Lightning finds another name missing only after the first epoch has trained, and fails the run with a traceback.
+MONITORED = ("val/p_at_1", "val/p_at_3", "val/p_at_5")
+
+
+def _best_checkpoint(cfg: DictConfig) -> None:
+    best = (cfg.get("callbacks") or {}).get("best")
+    monitor, mode = best.get("monitor"), best.get("mode")
+    if monitor not in MONITORED:
+        raise ConfigError(f"callbacks.best.monitor={monitor!r} is not a metric the run logs every epoch; choose one of "
+                          f"{', '.join(MONITORED)}")
+    choice(mode, "callbacks.best.mode", ("max", "min"))
+
+
+# Names a run is named and reported by (run names, the summary's title, the report's columns): a file of one's own
+# without one trained, then named its run "None" or failed as its MLflow run opened, blaming the store.
+NAMES = {"dataset.name": "name: MyData", "dataset.features": "features: bow",
+         "loss.name": "name: <the loss's file name>"}
+
+
+def _names(cfg: DictConfig) -> None:
+    for key, example in NAMES.items():
+        value = OmegaConf.select(cfg, key, default=None)
+        if not isinstance(value, str) or not value.strip():
+            group = key.split(".")[0]
+            raise ConfigError(f"{key}={value!r} must be a name (run names and the report name the run by it); add "
+                              f"`{example}` to the {group}'s file (conf/{group}/<file>.yaml)")
 
 
 def _callback_wiring(cfg: DictConfig) -> None:
