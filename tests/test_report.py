@@ -149,6 +149,21 @@ def test_a_head_of_ones_own_is_a_configuration_per_setting_of_its_own(store, tmp
         "smoke", table_rows("table4", "smoke", read_runs_csv(tmp_path / "runs.csv"), [], paper.load()))])
 
 
+def test_a_loss_of_ones_own_is_a_configuration_per_setting_of_its_own(store, tmp_path):
+    """A sweep `loss=margin_hinge loss.margin=1.0,2.0` was one configuration: the later run replaced the other as its
+    rerun. The built-in losses have no settings of their own (old records also carry loss/_target_, _partial_)."""
+    def margin(value, seed=0):
+        return {**params_of(BIBTEX, "uniform", 32, 128, loss="margin_hinge", seed=seed), "loss/margin": value}
+
+    log_run(store, margin("1.0"), metrics_of(10.0), table="mine", start=1)
+    log_run(store, margin("2.0"), metrics_of(30.0), table="mine", start=2)
+    log_run(store, {**params_of(BIBTEX, "uniform", 32, 128), "loss/_target_": "xmc_repro.losses.squared_hinge_loss",
+                    "loss/_partial_": "True"}, metrics_of(20.0), table="mine")
+    rows = export(tmp_path / "runs.csv", store)
+    assert {(r["loss"], r["test_p1"]) for r in rows} == {
+        ("margin_hinge margin=1.0", "10"), ("margin_hinge margin=2.0", "30"), ("squared_hinge", "20")}
+
+
 def test_export_keeps_configurations_tables_and_scales_apart_and_skips_untagged_runs(store, tmp_path):
     log_run(store, params_of(BIBTEX, "uniform", 32, 256), metrics_of(40.0))
     log_run(store, params_of(BIBTEX, "uniform", 64, 256), metrics_of(42.0))

@@ -91,7 +91,9 @@ def configuration(params: dict, tags: dict) -> dict[str, str]:
         "bottleneck": _value(params, "model/bottleneck") if setup == "bottleneck" else "",
         "mach_hashes": _value(params, "model/mach/num_hashes") if setup == "mach" else "",
         "mach_buckets": _value(params, "model/mach/num_buckets") if setup == "mach" else "",
-        "loss": _value(params, "loss/name"),
+        # a loss of one's own at other settings (loss.margin=1,2) is another configuration, as a head's own are
+        "loss": " ".join([_value(params, "loss/name"),
+                          *(f"{key}={value}" for key, value in _own_settings(params, "loss", ("name",)))]),
         # blank for float32, the default: a bf16-mixed run is another configuration, not another seed of it
         "precision": precision(_value(params, "trainer/precision")),
         "settings": "",  # see `split_by_settings`
@@ -108,12 +110,13 @@ def precision(value: str) -> str:
     return "" if value == "32-true" else value
 
 
-def _own_settings(params: dict) -> list[tuple[str, str]]:
-    """A head's own settings (`model/rank` as ("rank", "16")), by name."""
+def _own_settings(params: dict, of: str = "model", common=COMMON_MODEL_SETTINGS) -> list[tuple[str, str]]:
+    """A head's own settings (`model/rank` as ("rank", "16")), or a loss's (`loss/margin`), by name. Not the keys
+    every one has (`common`), nor `_target_`/`_partial_` (in records from before they were left out of params)."""
     own = {}
     for key in params:
         group, separator, name = key.replace(".", "/").partition("/")
-        if group == "model" and separator and name.split("/")[0] not in COMMON_MODEL_SETTINGS:
+        if group == of and separator and name.split("/")[0] not in common and not name.startswith("_"):
             own[name.replace("/", "_")] = _value(params, key.replace(".", "/")) or "null"
     return sorted(own.items())
 
