@@ -73,6 +73,12 @@ REFUSED = {
                              "run by it); add `name: MyData` to the dataset's file"),
     "dataset_without_features": (["~dataset.features"], "dataset.features=None must be a name"),
     "loss_without_name": (["~loss.name"], "loss.name=None must be a name"),
+    # a dataset file's key that no reader takes was ignored (trained with l2), yet recorded as a param
+    "dataset_key_no_reader_takes": (["+dataset.normalise=tfidf"], "dataset.normalise is not a setting any dataset "
+                                    "reader takes (did you mean dataset.normalize?), so it would be ignored"),
+    # without it the rewiring callback read null: a sparse head trained without a single rewiring
+    "dataset_without_rewiring_interval": (["~dataset.rewire_every_n_steps"], "dataset.rewire_every_n_steps is not "
+                                          "set, so model.head=uniform would never be rewired; add"),
     "memory_report_not_bool": (["trainer.memory_report=yes please"],
                                "trainer.memory_report='yes please' must be true or false"),
     "bf16_true": (["trainer.precision=bf16-true"], "trainer.precision=bf16-true: the sparse op of model.head=uniform "
@@ -184,6 +190,7 @@ ACCEPTED = [
     ["model=dense", "model.head=dense"], ["dataset.propensity.A=0.5", "dataset.propensity.B=0.4"],
     ["model=unstructured", "model.distinct_sources=true"], ["dataset.data_seed=7"],
     ["~callbacks.early_stop", "~callbacks.rewiring"],  # every epoch trained; a static sparse layer
+    ["~dataset.rewire_every_n_steps", "model=dense"], ["~dataset.rewire_every_n_steps", "~callbacks.rewiring"],
     ["callbacks.best.monitor=val/p_at_5"], ["callbacks.best.monitor=val/p_at_1", "callbacks.best.mode=max"],
 ]
 

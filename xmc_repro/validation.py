@@ -319,8 +319,30 @@ def _callback_wiring(cfg: DictConfig) -> None:
                                   f"{source[1]}={node[key]}")
 
 
+def _dataset_keys(cfg: DictConfig) -> None:
+    """A dataset file of one's own: a key no reader takes (`normalise: tfidf`) was ignored while MLflow recorded it as
+    a param, and one without `rewire_every_n_steps` trained a sparse head that was never rewired."""
+    from xmc_repro.cli import closest, declared_settings
+
+    known = {key for key in declared_settings("dataset") if "." not in key} | {"chunk_size"}  # synthetic, undeclared
+    for key in cfg.dataset:
+        if key not in known:
+            match = closest(str(key), known)
+            hint = f"did you mean dataset.{match}?" if match else "python -m xmc_repro --cfg job shows a dataset's keys"
+            raise ConfigError(f"dataset.{key} is not a setting any dataset reader takes ({hint}), so it would be "
+                              "ignored; fix or remove it in the dataset's file (conf/dataset/<file>.yaml)")
+    fraction = OmegaConf.select(cfg, "model.rewire_fraction", default=0)
+    rewires = isinstance(fraction, (int, float)) and fraction > 0 and "rewiring" in (cfg.get("callbacks") or {})
+    if rewires and "rewire_every_n_steps" not in cfg.dataset and not cfg.dataset.get("rewire_every_epoch") \
+            and not cfg.get("resume"):  # a resumed run goes on as it started
+        raise ConfigError(f"dataset.rewire_every_n_steps is not set, so model.head={cfg.model.get('head')} would never "
+                          "be rewired; add `rewire_every_n_steps: 1000` (the authors' interval) or `null` (no "
+                          "rewiring) to the dataset's file")
+
+
 def _dataset(cfg: DictConfig) -> None:
     """What the data sources would refuse after the run has opened (xmc_repro.data.sources, .synthetic)."""
+    _dataset_keys(cfg)
     kind = choice(OmegaConf.select(cfg, "dataset.kind"), "dataset.kind", DATASET_KINDS)
     for key in ("A", "B"):  # B > 0 keeps a label without training points finite: (0 + B)^-A
         number(cfg, f"dataset.propensity.{key}", low=0, low_open=True,
