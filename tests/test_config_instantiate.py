@@ -232,6 +232,9 @@ OWN_LOSS = {"_target_": f"{__name__}.margin_hinge", "_partial_": True, "name": "
     ({"loss": {**OWN_LOSS, "margn": 3.0}},
      rf"^loss.margn is not a setting of {__name__}.margin_hinge \(it takes margin\), so it would be ignored; fix or "
      r"remove it in"),
+    # the README's head with a typo: trained at rank 16, named lowrank-8 and reported as `lowrank rnak=8`
+    ({"model": {"_target_": f"{__name__}.LowRankHead", "head": "lowrank", "rnak": 8, "connectivity": 4}},
+     rf"^model.rnak is not a setting of {__name__}.LowRankHead \(it takes rank\), so it would be ignored"),
     ({"callbacks": {"lr": {"_target_": "lightning.pytorch.callbacks.LearningRateMonitor", "logging_intervl": "step"}}},
      r"^callbacks.lr.logging_intervl is not a setting of lightning.pytorch.callbacks.LearningRateMonitor \(it takes "
      r"logging_interval, "),

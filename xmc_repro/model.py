@@ -105,17 +105,18 @@ def _target(spec, setting: str, where: str):
                           "from the folder that holds its package") from None
 
 
-def _ignored_settings(spec, target, setting: str, where: str, reserved=()) -> None:
-    """instantiate_with passes only the settings the target's signature names: any other key of a loss's or a
-    callback's file would be ignored, while MLflow records it as a param."""
+def _ignored_settings(spec, target, setting: str, where: str, reserved=(), called_with=0) -> None:
+    """instantiate_with passes only the settings the target's signature names: any other key of a head's, a loss's
+    or a callback's file would be ignored, while MLflow records it as a param (and the report's setup shows it).
+    `reserved`: keys read elsewhere; `called_with`: how many leading arguments the pipeline passes itself."""
     try:
         names = inspect.signature(target).parameters
     except (TypeError, ValueError):  # no signature to read (a builtin): instantiate_with passes nothing either
         return
     extra = [key for key in spec if key not in names and key not in reserved and not str(key).startswith("_")]
     if extra:
-        takes = [name for name, p in names.items()
-                 if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) and name not in LOSS_ARGUMENTS]
+        takes = [name for name, p in list(names.items())[called_with:]
+                 if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
         raise ConfigError(f"{setting}.{extra[0]} is not a setting of {spec._target_} (it takes "
                           f"{', '.join(takes) or 'none'}), so it would be ignored; fix or remove it in {where}")
 
@@ -128,13 +129,19 @@ def check_targets(cfg) -> None:
     loads and its MLflow run opens: a name that cannot be imported, a loss that is not a function of (scores,
     label_ptr, label_idx), or a setting its function does not take (ignored, yet recorded) each failed the run after
     its data had loaded, with a traceback. One line (ConfigError) naming the setting and the file to fix."""
-    _target(cfg.model, "model", _file_of("model"))
+    from xmc_repro.cli import declared_settings
+
+    where = _file_of("model")
+    # every model's settings (conf/model_common.yaml) and those of this project's heads, which a sweep across heads
+    # may set for all (`-m model=uniform,dense model.connectivity=4`), are read elsewhere or left unused on purpose
+    shared = {key for key in declared_settings("model") if "." not in key}
+    _ignored_settings(cfg.model, _target(cfg.model, "model", where), "model", where, shared, called_with=2)
     where = _file_of("loss")
     loss = _target(cfg.loss, "loss", where)
     if cfg.loss.get("_partial_") is not True:
         raise ConfigError(f"loss._partial_ is not true: the loss is the function itself, called every step with "
                           f"({', '.join(LOSS_ARGUMENTS)}); add `_partial_: true` to {where}")
-    _ignored_settings(cfg.loss, loss, "loss", where, reserved=("name",))
+    _ignored_settings(cfg.loss, loss, "loss", where, reserved=("name",), called_with=len(LOSS_ARGUMENTS))
     try:
         settings = {key: None for key in cfg.loss if key in inspect.signature(loss).parameters}
         inspect.signature(loss).bind(*LOSS_ARGUMENTS, **settings)
