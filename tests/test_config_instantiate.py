@@ -258,3 +258,12 @@ def test_a_loss_and_a_callback_of_ones_own_pass_and_are_built(tmp_path):
     model = build_model(cfg, _fake_data())
     assert model.loss_fn.keywords == {"margin": 2.0}
     assert build_callbacks(cfg, tmp_path)["lr"].logging_interval == "epoch"
+
+
+def test_a_message_names_the_file_to_fix_in_the_package_or_in_ones_own_folder():
+    with pytest.raises(ConfigError, match=r"to callbacks/hello.yaml in your --config-dir folder \(or the "
+                                          r"\+callbacks.hello override\)$"):
+        check_targets(_with(callbacks={"hello": {"word": "hi"}}))
+    with pytest.raises(ConfigError, match=r"remove it in conf/callbacks/time.yaml \(or the \+callbacks.time "
+                                          r"override\)$"):
+        check_targets(_with(callbacks={"time": {"step_windw": 5}}))

@@ -82,9 +82,13 @@ def _file_of(group: str, name: str | None = None) -> str:
             name = HydraConfig.get().runtime.choices.get(group)
         except ValueError:  # outside a Hydra app
             pass
+    if name and not (resource_dir("conf") / group / f"{name}.yaml").is_file():  # a file of one's own
+        where = f"{group}/{name}.yaml in your --config-dir folder"
+    else:
+        where = f"conf/{group}/{name}.yaml" if name else f"its file in conf/{group}/"
     if group == "callbacks":  # a callback may also come from the command line (+callbacks.<name>._target_=...)
-        return f"conf/callbacks/{name}.yaml (or the +callbacks.{name} override)"
-    return f"conf/{group}/{name}.yaml" if name else f"its file in conf/{group}/"
+        return f"{where} (or the +callbacks.{name} override)"
+    return where
 
 
 def _target(spec, setting: str, where: str):
