@@ -243,6 +243,23 @@ def test_a_run_without_early_stopping_is_not_a_seed_of_runs_with_it(store, tmp_p
     }
 
 
+def test_a_setting_logged_as_null_is_a_value_not_an_unknown(store, tmp_path):
+    """`trainer.shuffle_buffer=null` (a row of the README's differences) and `trainer.limit_train_batches=2` beside
+    its default null: the logged "None" counted as "not known" and the runs as one configuration, the later
+    replacing the other as its rerun."""
+    base = {**params_of(BIBTEX, "uniform", 32), "trainer/shuffle_buffer": "50000",
+            "trainer/limit_train_batches": "None"}
+    log_run(store, base, metrics_of(10.0), table="differences", start=10)
+    log_run(store, {**base, "trainer/shuffle_buffer": "None"}, metrics_of(20.0), table="differences", start=11)
+    log_run(store, {**base, "trainer/limit_train_batches": "2"}, metrics_of(30.0), table="differences", start=12)
+    rows = export(tmp_path / "runs.csv", store)
+    assert {r["settings"]: (r["seeds"], float(r["test_p1"])) for r in rows} == {
+        "shuffle_buffer=50000; limit_train_batches=null": ("0", 10.0),
+        "shuffle_buffer=null; limit_train_batches=null": ("0", 20.0),
+        "shuffle_buffer=50000; limit_train_batches=2": ("0", 30.0),
+    }
+
+
 def test_runs_from_before_a_setting_are_not_seeds_or_reruns_of_later_runs_with_its_default(store, tmp_path):
     # After an upgrade: runs from before trainer.adam_eps_placement (torch's Adam) and the unstructured head's
     # distinct_sources (distinct positions), then the same configurations with the new defaults (keras, False)

@@ -145,7 +145,8 @@ def _trained_with(params: dict, key: str) -> str:
     """A run's value of a setting; for a run that predates it, the value it trained with where that is known (a
     run from before `trainer.adam_eps_placement` differs from later runs with the default, keras), else ''."""
     if key in params or key.replace("/", ".") in params:
-        return _value(params, key)
+        # a logged null (`trainer.shuffle_buffer=null`, "None") is a value: '' would count the run as not knowing it
+        return _value(params, key) or "null"
     implied = implied_before(key.replace("/", "."), _value(params, "model/head"))
     return "" if implied is None else str(implied)
 
