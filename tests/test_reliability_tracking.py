@@ -159,6 +159,16 @@ def test_git_commit_says_when_the_code_differs_from_the_commit(tmp_path, monkeyp
     assert len(clean) == 12 and not clean.endswith("-dirty")
     (tmp_path / "new.py").write_text("untracked files do not count\n")
     assert tracking.git_commit() == clean
+    # what `records add` and `dvc repro` write between sweeps is no code: the next sweep's runs were all "-dirty"
+    for data in ("results/runs.csv", "results/records/r.json", "dvc.lock"):
+        (tmp_path / data).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / data).write_text("one\n")
+        git("add", data)
+    git("commit", "-qm", "results")
+    clean = tracking.git_commit()
+    for data in ("results/runs.csv", "results/records/r.json", "dvc.lock"):
+        (tmp_path / data).write_text("two\n")
+    assert tracking.git_commit() == clean
     (tmp_path / "f.py").write_text("a = 2\n")
     assert tracking.git_commit() == clean + "-dirty"
     monkeypatch.setenv("XMC_GIT_COMMIT", "17de686")  # a copy whose git metadata is stale says what it is

@@ -316,7 +316,8 @@ def _git(*args: str) -> str:
 
 
 def git_commit() -> str:
-    """HEAD's short hash, "-dirty" appended when tracked files differ from it (the code run is then not that commit).
+    """HEAD's short hash, "-dirty" appended when tracked files other than results differ from it (the code run is
+    then not that commit).
 
     `XMC_GIT_COMMIT`, when set, is taken instead: for a copy of a working tree whose git metadata is not the code's
     (scripts/gpu_all.sh on a lent machine is given the commit it was sent at)."""
@@ -324,7 +325,10 @@ def git_commit() -> str:
     if given:
         return given
     head = _git("rev-parse", "--short=12", "HEAD")
-    if head and _git("status", "--porcelain", "--untracked-files=no"):
+    # results/ and dvc.lock are what `records add` and `dvc repro` rewrite between sweeps, read by no run: changed,
+    # they made every later run "-dirty" ("no commit reproduces them") with the code at HEAD
+    code = ("--", ".", ":(exclude)results", ":(exclude)dvc.lock")
+    if head and _git("status", "--porcelain", "--untracked-files=no", *code):
         head += "-dirty"
     return head or "unknown"
 
