@@ -204,6 +204,22 @@ def test_runs_that_change_a_training_setting_are_their_own_rows_not_seeds_or_rer
     assert read_runs_csv(tmp_path / "runs.csv")[0]["settings"] == "init=authors; lr=0.001"
 
 
+def test_a_paper_table_rerun_at_other_settings_replaces_the_seeds_of_the_older_settings_too(store, tmp_path):
+    """`experiment=table5 scale=smoke trainer.max_epochs=1` after the preset's seeds 1 and 2: the row read
+    "seeds 0,1,2", mean ± spread over a 1-epoch run and 2-epoch runs. Runs that predate a setting differ from none."""
+    preset = {**params_of(BIBTEX, "uniform", 32), "trainer/max_epochs": "2"}
+    log_run(store, preset, metrics_of(20.0), start=10)
+    log_run(store, {**preset, "seed": "1"}, metrics_of(22.0), start=11)
+    log_run(store, {**preset, "seed": "2"}, metrics_of(24.0), start=12)
+    log_run(store, {**preset, "trainer/max_epochs": "1"}, metrics_of(1.0), start=13)  # replaces seed 0, and 1, 2
+    other = params_of(BIBTEX, "uniform", 64)  # seed 0 predates trainer.max_epochs: a seed of the later runs
+    log_run(store, other, metrics_of(30.0), start=20)
+    log_run(store, {**other, "trainer/max_epochs": "2", "seed": "1"}, metrics_of(32.0), start=21)
+    rows = export(tmp_path / "runs.csv", store)
+    assert {(r["connectivity"], r["settings"]): (r["seeds"], float(r["test_p1"])) for r in rows} == {
+        ("32", ""): ("0", 1.0), ("64", ""): ("0;1", 31.0)}
+
+
 def test_a_run_that_predates_a_setting_shows_the_value_it_trained_with_or_unknown(store, tmp_path):
     base = {**params_of(BIBTEX, "uniform", 32), "model/init": "authors", "trainer/adam_eps_placement": "keras"}
     older = {k: v for k, v in base.items() if k != "trainer/adam_eps_placement"}  # it trained with torch's Adam

@@ -17,7 +17,8 @@ from pathlib import Path
 from xmc_repro.report import records as run_records
 from xmc_repro.report.atomic import replacing
 from xmc_repro.report.csv_file import read_rows
-from xmc_repro.report.identity import CONFIG_COLUMNS, config_key, configuration, split_by_settings
+from xmc_repro.report.identity import (
+    CONFIG_COLUMNS, DEFAULT_SETTINGS_TABLES, SETTINGS, _trained_with, config_key, configuration, split_by_settings)
 from xmc_repro.report.state import model_state_bytes, param
 
 # runs.csv column -> MLflow metric key; the names follow the paper's CSV where it has the column.
@@ -64,7 +65,23 @@ def summarize(records: list[dict]) -> list[dict[str, str]]:
     groups: dict[tuple, list] = {}
     for (key, device, _), entry in latest.items():
         groups.setdefault((*key, device), []).append(entry)
-    return [_row(groups[key]) for key in sorted(groups, key=natural_order)]
+    return [_row(_at_latest_settings(groups[key])) for key in sorted(groups, key=natural_order)]
+
+
+def _at_latest_settings(entries: list[dict]) -> list[dict]:
+    """In the tables that run the defaults (no `settings` column), the seeds trained at the settings of the
+    configuration's latest run: a rerun at other settings replaces the other seeds' older runs as well, which were
+    otherwise averaged with it as seeds of one configuration. A setting a run predates differs from none."""
+    if entries[0]["config"]["table"] not in DEFAULT_SETTINGS_TABLES:
+        return entries  # split_by_settings keeps runs of other settings apart
+
+    def settings(entry: dict) -> dict[str, str]:
+        used = run_records.used_params(entry["record"])
+        return {key: _trained_with(used, key) for key in SETTINGS}
+
+    wanted = settings(max(entries, key=lambda e: e["order"]))
+    return [e for e in entries if all(value in ("", wanted[key]) or not wanted[key]
+                                      for key, value in settings(e).items())]
 
 
 def machine(tags: dict) -> str:
