@@ -929,6 +929,19 @@ def test_a_missing_records_folder_or_an_unreadable_store_is_one_line(tmp_path, c
     assert all(line.startswith("error: ") and "cannot read runs from this MLflow store" in line for line in errors[1:])
 
 
+def test_records_add_of_a_database_file_without_its_scheme_says_how_to_name_it(tmp_path, capsys, monkeypatch):
+    """`records add gpu.db` (as `mlflow ui --backend-store-uri` users type a path): MLflow read it as a file store and
+    the line quoted its "maintenance mode" notice, cut off mid-sentence."""
+    from xmc_repro.report.__main__ import main
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "records").mkdir()
+    (tmp_path / "gpu.db").write_bytes(b"")
+    for given, uri in (("gpu.db", "sqlite:///gpu.db"), (str(tmp_path / "gpu.db"), f"sqlite:///{tmp_path}/gpu.db")):
+        assert main(["records", "add", given, "--dir", "records"]) == 2
+        assert capsys.readouterr().err == f"error: {given}: a database file, not a store's URI; pass {uri}\n"
+
+
 def test_records_add_leaves_another_programs_database_untouched(tmp_path, capsys):
     """MLflow wrote its whole schema into any SQLite file given as the store (another project's database, an empty
     file) and `records add` reported 0 records from it."""

@@ -241,6 +241,8 @@ def _check_store(uri: str) -> None:
     tables written into it: refuse both instead."""
     from xmc_repro import tracking
 
+    if "://" not in uri and Path(uri).is_file():  # `records add gpu.db`: MLflow reads a bare path as a file store
+        raise DataError(f"{uri}: a database file, not a store's URI; pass sqlite:///{uri}")
     tracking.check_store(uri, setting="")  # a folder, a silent server: one line in seconds, not minutes of retries
     path = tracking.sqlite_path(uri)
     if path is not None and not path.is_file():
