@@ -1019,6 +1019,51 @@ def test_smoke_skips_datasets_without_data_once_and_fails_when_a_job_failed(tmp_
         "Bibtex": str(tmp_path / "no-data" / "Bibtex"), "Delicious": str(tmp_path / "no-data" / "Delicious")}
 
 
+def test_smoke_interrupted_waits_for_its_sweep_to_close_its_runs_and_says_so_in_one_line(tmp_path):
+    """Ctrl+C (to the terminal's process group): subprocess.run killed the sweep 0.25 s later, while it was still
+    marking its runs FAILED (seconds on a locked store), and `report smoke` ended in a KeyboardInterrupt traceback."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import textwrap
+    import time
+
+    mark = tmp_path / "closed"
+    sweep = tmp_path / "sweep.py"  # stands in for `python -m xmc_repro -m experiment=...`: slow to close its runs
+    sweep.write_text(textwrap.dedent(f"""
+        import pathlib, signal, sys, time
+        def close_runs(*_):
+            time.sleep(1.5)
+            pathlib.Path({str(mark)!r}).write_text("closed")
+            sys.exit(130)
+        signal.signal(signal.SIGINT, close_runs)
+        pathlib.Path({str(mark)!r} + ".started").write_text("")
+        time.sleep(60)
+    """))
+    smoke_cli = textwrap.dedent(f"""
+        import sys
+        from xmc_repro.report import smoke
+        from xmc_repro.report.__main__ import main
+        smoke.check_data = lambda choices: ({{c: c for c in choices}}, {{}})
+        smoke.sweep_command = lambda table, datasets, scale="smoke": [sys.executable, {str(sweep)!r}]
+        sys.exit(main(["smoke", "--tables", "table5", "table4", "--tracking-uri", "sqlite:///m.db",
+                       "--data-missing", "missing.json"]))
+    """)
+    process = subprocess.Popen([sys.executable, "-c", smoke_cli], cwd=tmp_path, stderr=subprocess.PIPE, text=True,
+                               start_new_session=True)
+    deadline = time.monotonic() + 60
+    while not (tmp_path / "closed.started").exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    os.killpg(process.pid, signal.SIGINT)
+    _, err = process.communicate(timeout=60)
+    assert mark.read_text() == "closed"  # the sweep was not killed while it closed its runs
+    assert process.returncode == 130 and err == (
+        "error: interrupted (Ctrl+C) in the smoke sweep of table5 (its line above says what became of its runs); "
+        "to go on: python -m xmc_repro.report smoke --tables table5 table4\n")
+    assert not (tmp_path / "missing.json").exists()
+
+
 def test_smoke_keeps_what_it_did_not_check_in_data_missing(tmp_path, monkeypatch):
     """Datasets a call did not look for keep their entries (was: the file held only this call's, so `--tables
     table5`, which looks for no real set, emptied it); those it looked for are updated."""

@@ -53,7 +53,7 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
-    from xmc_repro.report.smoke import SweepFailed
+    from xmc_repro.report.smoke import SweepFailed, SweepInterrupted
 
     try:
         run(args)
@@ -63,6 +63,9 @@ def main(argv: list[str] | None = None) -> int:
     except SweepFailed as error:
         print(f"error: {error}", file=sys.stderr)
         return 1
+    except SweepInterrupted as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 130
     return 0
 
 
