@@ -18,7 +18,7 @@ from xmc_repro.report import records as run_records
 from xmc_repro.report.atomic import replacing
 from xmc_repro.report.csv_file import read_rows
 from xmc_repro.report.identity import (
-    CONFIG_COLUMNS, DEFAULT_SETTINGS_TABLES, SETTINGS, _trained_with, config_key, configuration, split_by_settings)
+    CONFIG_COLUMNS, DEFAULT_SETTINGS_TABLES, SETTINGS, trained_with, config_key, configuration, split_by_settings)
 from xmc_repro.report.state import model_state_bytes, param
 
 # runs.csv column -> MLflow metric key; the names follow the paper's CSV where it has the column.
@@ -77,7 +77,7 @@ def _at_latest_settings(entries: list[dict]) -> list[dict]:
 
     def settings(entry: dict) -> dict[str, str]:
         used = run_records.used_params(entry["record"])
-        return {key: _trained_with(used, key) for key in SETTINGS}
+        return {key: trained_with(used, key) for key in SETTINGS}
 
     wanted = settings(max(entries, key=lambda e: e["order"]))
     return [e for e in entries if all(value in ("", wanted[key]) or not wanted[key]

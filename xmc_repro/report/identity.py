@@ -136,12 +136,12 @@ def split_by_settings(configs: list[dict], params: list[dict]) -> None:
         if config["table"] not in DEFAULT_SETTINGS_TABLES:
             groups.setdefault(config_key(config), []).append(i)
     for members in groups.values():
-        differ = [key for key in SETTINGS if len({_trained_with(params[i], key) for i in members} - {""}) > 1]
+        differ = [key for key in SETTINGS if len({trained_with(params[i], key) for i in members} - {""}) > 1]
         for i in members:
             configs[i]["settings"] = "; ".join(f"{setting_name(key)}={_setting(params[i], key)}" for key in differ)
 
 
-def _trained_with(params: dict, key: str) -> str:
+def trained_with(params: dict, key: str) -> str:
     """A run's value of a setting; for a run that predates it, the value it trained with where that is known (a
     run from before `trainer.adam_eps_placement` differs from later runs with the default, keras), else ''."""
     if key in params or key.replace("/", ".") in params:
@@ -159,7 +159,7 @@ def at_defaults(settings: str) -> bool:
 
 
 def _setting(params: dict, key: str) -> str:
-    return _trained_with(params, key) or "?"
+    return trained_with(params, key) or "?"
 
 
 def config_key(config: dict) -> tuple[str, ...]:
