@@ -323,7 +323,7 @@ OWN_FILES = {
 }
 OWN_CASES = {
     "loss=margin_hinge": "error: loss.margn is not a setting of mylosses.margin_hinge (it takes margin), so it would be "
-                         "ignored; fix or remove it in conf/loss/margin_hinge.yaml",
+                         "ignored; fix or remove it in loss/margin_hinge.yaml in your --config-dir folder",
     "dataset=mine": "error: dataset.name=None must be a name (run names and the report name the run by it); add "
                     "`name: MyData` to the dataset's file (conf/dataset/<file>.yaml)",
 }
