@@ -267,3 +267,24 @@ def test_a_message_names_the_file_to_fix_in_the_package_or_in_ones_own_folder():
     with pytest.raises(ConfigError, match=r"remove it in conf/callbacks/time.yaml \(or the \+callbacks.time "
                                           r"override\)$"):
         check_targets(_with(callbacks={"time": {"step_windw": 5}}))
+
+
+def test_a_run_started_before_the_checks_with_a_key_they_refuse_can_still_be_resumed():
+    """A resumed run is its stored config (resume.resume_config), which no file can fix: a key its class, function
+    or reader does not take, ignored when code from before these checks started it, is ignored again as it goes on;
+    refused, the run could never be continued. Imports and the loss's call are still checked."""
+    stored = _with(loss={**OWN_LOSS, "margn": 3.0},
+                   callbacks={"lr": {"_target_": "lightning.pytorch.callbacks.LearningRateMonitor",
+                                     "logging_intervl": "step"}})
+    stored.model.merge_with({"_target_": f"{__name__}.LowRankHead", "head": "lowrank", "rnak": 8})
+    stored.dataset.normalise = "tfidf"
+    with pytest.raises(ConfigError, match=r"^model.rnak is not a setting"):
+        check_targets(stored)
+    with pytest.raises(ConfigError, match=r"^dataset.normalise is not a setting any dataset reader takes"):
+        validate(stored)
+    stored.resume = "0123456789abcdef"
+    validate(stored)
+    check_targets(stored)
+    stored.loss._target_ = f"{__name__}.margin_hinj"
+    with pytest.raises(ConfigError, match=r"^loss._target_=.*margin_hinj cannot be imported"):
+        check_targets(stored)

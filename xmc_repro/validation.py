@@ -326,7 +326,9 @@ def _dataset_keys(cfg: DictConfig) -> None:
 
     known = {key for key in declared_settings("dataset") if "." not in key} | {"chunk_size"}  # synthetic, undeclared
     for key in cfg.dataset:
-        if key not in known:
+        # a resumed run's dataset is its stored config, which no file can fix; a key it was started with by code
+        # from before this check was ignored then and is again (refused, the run could never be continued)
+        if key not in known and not cfg.get("resume"):
             match = closest(str(key), known)
             hint = f"did you mean dataset.{match}?" if match else "python -m xmc_repro --cfg job shows a dataset's keys"
             raise ConfigError(f"dataset.{key} is not a setting any dataset reader takes ({hint}), so it would be "
