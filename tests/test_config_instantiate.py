@@ -282,6 +282,9 @@ def test_a_run_started_before_the_checks_with_a_key_they_refuse_can_still_be_res
         check_targets(stored)
     with pytest.raises(ConfigError, match=r"^dataset.normalise is not a setting any dataset reader takes"):
         validate(stored)
+    stored.dataset.name = None  # named "None" by code from before the names were required
+    with pytest.raises(ConfigError, match=r"^dataset.name=None must be a name"):
+        validate(stored)
     stored.resume = "0123456789abcdef"
     validate(stored)
     check_targets(stored)

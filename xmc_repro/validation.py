@@ -291,6 +291,8 @@ NAMES = {"dataset.name": "name: MyData", "dataset.features": "features: bow",
 
 
 def _names(cfg: DictConfig) -> None:
+    if cfg.get("resume"):  # a run that trained without one goes on as it started: no file fixes its stored config
+        return
     for key, example in NAMES.items():
         value = OmegaConf.select(cfg, key, default=None)
         if not isinstance(value, str) or not value.strip():
