@@ -1,8 +1,8 @@
 """Each CUDA kernel of the uniform layer once at the headline shape (670,091 labels, 16,384 inputs, 32 per label,
 batch 32), for a hardware-counter profiler to say what bounds it (L2 bytes or requests, latency, issue slots):
 
-    XMC_SPARSE_KERNELS=threads ncu --kernel-name regex:_kernel --section SpeedOfLight ... \\
-        python3 scripts/gpu_kernel_counters.py
+    XMC_SPARSE_KERNELS=threads ncu --kernel-name-base demangled --kernel-name regex:xmc_sparse:: \\
+        --section SpeedOfLight ... python3 scripts/gpu_kernel_counters.py
 
 (`scripts/gpu_all.sh`, step `counters`). The kernels and inputs are the layer benchmark's (`xmc_repro.bench`):
 `uniform` with XMC_SPARSE_KERNELS=threads is the thread-per-label kernels, `uniform-rows*` the warp-per-label ones;

@@ -109,14 +109,10 @@ def _target(spec, setting: str, where: str):
                           "from the folder that holds its package") from None
 
 
-def _ignored_settings(spec, target, setting: str, where: str, reserved=(), called_with=0, resumed=False) -> None:
+def _ignored_settings(spec, target, setting: str, where: str, reserved=(), called_with=0) -> None:
     """instantiate_with passes only the settings the target's signature names: any other key of a head's, a loss's
     or a callback's file would be ignored, while MLflow records it as a param (and the report's setup shows it).
-    `reserved`: keys read elsewhere; `called_with`: how many leading arguments the pipeline passes itself.
-    `resumed`: the spec is a run's stored config, which no file can fix: a key it was started with, and ignored,
-    by code from before this check is ignored again as it goes on (refused, the run could never be continued)."""
-    if resumed:
-        return
+    `reserved`: keys read elsewhere; `called_with`: how many leading arguments the pipeline passes itself."""
     try:
         names = inspect.signature(target).parameters
     except (TypeError, ValueError):  # no signature to read (a builtin): instantiate_with passes nothing either
@@ -143,16 +139,19 @@ def check_targets(cfg) -> None:
     # every model's settings (conf/model_common.yaml) and those of this project's heads, which a sweep across heads
     # may set for all (`-m model=uniform,dense model.connectivity=4`), are read elsewhere or left unused on purpose
     shared = {key for key in declared_settings("model") if "." not in key}
-    resumed = bool(cfg.get("resume"))  # see _ignored_settings
-    _ignored_settings(cfg.model, _target(cfg.model, "model", where), "model", where, shared, called_with=2,
-                      resumed=resumed)
+    # A resumed run is its stored config, which no file fixes: a key that code from before this check started it
+    # with, and ignored, is ignored again as it goes on (refused, the run could never be continued).
+    keys = not cfg.get("resume")
+    model = _target(cfg.model, "model", where)
+    if keys:
+        _ignored_settings(cfg.model, model, "model", where, shared, called_with=2)
     where = _file_of("loss")
     loss = _target(cfg.loss, "loss", where)
     if cfg.loss.get("_partial_") is not True:
         raise ConfigError(f"loss._partial_ is not true: the loss is the function itself, called every step with "
                           f"({', '.join(LOSS_ARGUMENTS)}); add `_partial_: true` to {where}")
-    _ignored_settings(cfg.loss, loss, "loss", where, reserved=("name",), called_with=len(LOSS_ARGUMENTS),
-                      resumed=resumed)
+    if keys:
+        _ignored_settings(cfg.loss, loss, "loss", where, reserved=("name",), called_with=len(LOSS_ARGUMENTS))
     try:
         settings = {key: None for key in cfg.loss if key in inspect.signature(loss).parameters}
         inspect.signature(loss).bind(*LOSS_ARGUMENTS, **settings)
@@ -166,8 +165,9 @@ def check_targets(cfg) -> None:
         if not OmegaConf.is_dict(spec):
             raise ConfigError(f"callbacks.{name}={spec!r} is not a callback's config; give it its class "
                               f"(`_target_: package.module.Class`) and settings in {where}")
-        _ignored_settings(spec, _target(spec, f"callbacks.{name}", where), f"callbacks.{name}", where,
-                          resumed=resumed)
+        target = _target(spec, f"callbacks.{name}", where)
+        if keys:
+            _ignored_settings(spec, target, f"callbacks.{name}", where)
 
 
 def head_spec(head: str, **settings) -> dict:

@@ -234,7 +234,9 @@ def validate(cfg: DictConfig) -> None:
     if not isinstance(uri, str) or not uri.strip():  # MLflow would take its own default store, Lightning ./mlruns
         raise ConfigError(f"logger.tracking_uri={uri!r} names no store (an empty MLFLOW_TRACKING_URI?); set it to "
                           "sqlite:///mlruns.db or an http://host:port tracking server, or unset MLFLOW_TRACKING_URI")
-    _names(cfg)
+    if not cfg.get("resume"):  # a resumed run is its stored config, which no file fixes: it goes on as it started
+        _names(cfg)
+        _dataset_keys(cfg)
     _dataset(cfg)
     if cfg.validate_on not in ("test", "holdout"):
         raise ConfigError(f"validate_on={cfg.validate_on!r} must be 'test' (the authors' protocol) or 'holdout'")
@@ -291,8 +293,6 @@ NAMES = {"dataset.name": "name: MyData", "dataset.features": "features: bow",
 
 
 def _names(cfg: DictConfig) -> None:
-    if cfg.get("resume"):  # a run that trained without one goes on as it started: no file fixes its stored config
-        return
     for key, example in NAMES.items():
         value = OmegaConf.select(cfg, key, default=None)
         if not isinstance(value, str) or not value.strip():
@@ -328,17 +328,14 @@ def _dataset_keys(cfg: DictConfig) -> None:
 
     known = {key for key in declared_settings("dataset") if "." not in key} | {"chunk_size"}  # synthetic, undeclared
     for key in cfg.dataset:
-        # a resumed run's dataset is its stored config, which no file can fix; a key it was started with by code
-        # from before this check was ignored then and is again (refused, the run could never be continued)
-        if key not in known and not cfg.get("resume"):
+        if key not in known:
             match = closest(str(key), known)
             hint = f"did you mean dataset.{match}?" if match else "python -m xmc_repro --cfg job shows a dataset's keys"
             raise ConfigError(f"dataset.{key} is not a setting any dataset reader takes ({hint}), so it would be "
                               "ignored; fix or remove it in the dataset's file (conf/dataset/<file>.yaml)")
     fraction = OmegaConf.select(cfg, "model.rewire_fraction", default=0)
     rewires = isinstance(fraction, (int, float)) and fraction > 0 and "rewiring" in (cfg.get("callbacks") or {})
-    if rewires and "rewire_every_n_steps" not in cfg.dataset and not cfg.dataset.get("rewire_every_epoch") \
-            and not cfg.get("resume"):  # a resumed run goes on as it started
+    if rewires and "rewire_every_n_steps" not in cfg.dataset and not cfg.dataset.get("rewire_every_epoch"):
         raise ConfigError(f"dataset.rewire_every_n_steps is not set, so model.head={cfg.model.get('head')} would never "
                           "be rewired; add `rewire_every_n_steps: 1000` (the authors' interval) or `null` (no "
                           "rewiring) to the dataset's file")
@@ -346,7 +343,6 @@ def _dataset_keys(cfg: DictConfig) -> None:
 
 def _dataset(cfg: DictConfig) -> None:
     """What the data sources would refuse after the run has opened (xmc_repro.data.sources, .synthetic)."""
-    _dataset_keys(cfg)
     kind = choice(OmegaConf.select(cfg, "dataset.kind"), "dataset.kind", DATASET_KINDS)
     for key in ("A", "B"):  # B > 0 keeps a label without training points finite: (0 + B)^-A
         number(cfg, f"dataset.propensity.{key}", low=0, low_open=True,

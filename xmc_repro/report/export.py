@@ -80,7 +80,7 @@ def _at_latest_settings(entries: list[dict]) -> list[dict]:
         return {key: trained_with(used, key) for key in SETTINGS}
 
     wanted = settings(max(entries, key=lambda e: e["order"]))
-    return [e for e in entries if all(value in ("", wanted[key]) or not wanted[key]
+    return [e for e in entries if all(value == wanted[key] or "" in (value, wanted[key])
                                       for key, value in settings(e).items())]
 
 
