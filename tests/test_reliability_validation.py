@@ -66,6 +66,10 @@ REFUSED = {
     # Lightning found the name missing only after the first epoch had trained: a traceback, the epoch lost
     "best_monitor_not_logged": (["callbacks.best.monitor=val/p@1"], "callbacks.best.monitor='val/p@1' is not a metric "
                                 "the run logs every epoch; choose one of val/p_at_1, val/p_at_3, val/p_at_5"),
+    # it overwrote last.ckpt: a resume continued from the best epoch
+    "best_filename_last": (["callbacks.best.filename=last"], "callbacks.best.filename='last' must name a file of its "
+                           "own in the run's checkpoint folder (not last, the checkpoint resume= continues from"),
+    "best_filename_folder": (["callbacks.best.filename=../best"], "callbacks.best.filename='../best' must name a file"),
     "best_mode_unknown": (["callbacks.best.mode=maximum"], "callbacks.best.mode='maximum' is unknown; choose one of max"),
     # a dataset or loss file of one's own without a name: the run named "None", or failed as it opened, blaming the
     # MLflow store; the report refused its record after training

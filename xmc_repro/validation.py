@@ -11,6 +11,7 @@ import copy
 import math
 import numbers
 import re
+from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import InterpolationResolutionError
@@ -284,6 +285,12 @@ def _best_checkpoint(cfg: DictConfig) -> None:
         raise ConfigError(f"callbacks.best.monitor={monitor!r} is not a metric the run logs every epoch; choose one of "
                           f"{', '.join(MONITORED)}")
     choice(mode, "callbacks.best.mode", ("max", "min"))
+    # The run's folder also holds last.ckpt, written every epoch: a best checkpoint of that name overwrote it, so a
+    # resume continued from the best epoch and the test read whichever was written last.
+    filename = best.get("filename")
+    if filename is not None and (str(filename) in ("last", "") or Path(str(filename)).name != str(filename)):
+        raise ConfigError(f"callbacks.best.filename={filename!r} must name a file of its own in the run's checkpoint "
+                          "folder (not last, the checkpoint resume= continues from; no folders); e.g. best")
 
 
 # Names a run is named and reported by (run names, the summary's title, the report's columns): a file of one's own
