@@ -220,6 +220,19 @@ def test_a_paper_table_rerun_at_other_settings_replaces_the_seeds_of_the_older_s
         ("32", ""): ("0", 1.0), ("64", ""): ("0;1", 31.0)}
 
 
+def test_a_seed_rerun_back_at_the_older_settings_keeps_the_other_seeds_runs_at_those_settings(store, tmp_path):
+    """Seeds 0-2 at 2 epochs, all rerun at 1 epoch, then seed 0 again at 2: the 2-epoch settings are the latest and
+    win, with every seed's 2-epoch run. Seeds 1 and 2 vanished (their latest run, at 1 epoch, hid the older one)."""
+    preset = {**params_of(BIBTEX, "uniform", 32), "trainer/max_epochs": "2"}
+    for seed, start in ((0, 10), (1, 11), (2, 12)):
+        log_run(store, {**preset, "seed": str(seed)}, metrics_of(20.0 + 2 * seed), start=start)
+    for seed, start in ((0, 13), (1, 14), (2, 15)):
+        log_run(store, {**preset, "trainer/max_epochs": "1", "seed": str(seed)}, metrics_of(1.0), start=start)
+    log_run(store, preset, metrics_of(26.0), start=16)  # seed 0 back at 2 epochs
+    (row,) = export(tmp_path / "runs.csv", store)
+    assert (row["seeds"], float(row["test_p1"])) == ("0;1;2", 24.0)  # 26, 22, 24
+
+
 def test_a_run_that_predates_a_setting_shows_the_value_it_trained_with_or_unknown(store, tmp_path):
     base = {**params_of(BIBTEX, "uniform", 32), "model/init": "authors", "trainer/adam_eps_placement": "keras"}
     older = {k: v for k, v in base.items() if k != "trainer/adam_eps_placement"}  # it trained with torch's Adam

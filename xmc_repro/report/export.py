@@ -50,28 +50,34 @@ COLUMNS = (
 
 def summarize(records: list[dict]) -> list[dict[str, str]]:
     """One row per configuration: the latest record of each seed, then mean and spread over seeds."""
-    latest: dict[tuple, dict[str, object]] = {}
     records = [r for r in records if r["status"] == "FINISHED" and r["tags"].get("table")]
     params = [run_records.used_params(r) for r in records]
     configs = [configuration(p, r["tags"]) for p, r in zip(params, records)]
     split_by_settings(configs, params)
-    for record, config in zip(records, configs):
-        seed = _param(record["params"], "seed")
-        slot = (config_key(config), machine(record["tags"]), seed)
-        order = (record.get("start_time") or record.get("end_time") or "", record["run_id"])
-        if slot not in latest or order > latest[slot]["order"]:
-            latest[slot] = {"order": order, "config": config, "seed": seed, "record": record}
-
     groups: dict[tuple, list] = {}
-    for (key, device, _), entry in latest.items():
-        groups.setdefault((*key, device), []).append(entry)
-    return [_row(_at_latest_settings(groups[key])) for key in sorted(groups, key=natural_order)]
+    for record, config in zip(records, configs):
+        order = (record.get("start_time") or record.get("end_time") or "", record["run_id"])
+        entry = {"order": order, "config": config, "seed": _param(record["params"], "seed"), "record": record}
+        groups.setdefault((*config_key(config), machine(record["tags"])), []).append(entry)
+    # the settings first, then each seed's latest run at them: a seed whose latest run is at other settings still
+    # has its run at the winning ones
+    return [_row(_latest_per_seed(_at_latest_settings(groups[key]))) for key in sorted(groups, key=natural_order)]
+
+
+def _latest_per_seed(entries: list[dict]) -> list[dict]:
+    """A rerun replaces the older run of its seed."""
+    latest: dict[str, dict] = {}
+    for entry in entries:
+        if entry["seed"] not in latest or entry["order"] > latest[entry["seed"]]["order"]:
+            latest[entry["seed"]] = entry
+    return list(latest.values())
 
 
 def _at_latest_settings(entries: list[dict]) -> list[dict]:
-    """In the tables that run the defaults (no `settings` column), the seeds trained at the settings of the
-    configuration's latest run: a rerun at other settings replaces the other seeds' older runs as well, which were
-    otherwise averaged with it as seeds of one configuration. A setting a run predates differs from none."""
+    """In the tables that run the defaults (no `settings` column), the runs at the settings of the configuration's
+    latest run: a rerun at other settings replaces the other seeds' older runs as well, which were otherwise averaged
+    with it as seeds of one configuration, and a seed rerun back at older settings brings the other seeds' runs at
+    those back. A setting a run predates differs from none."""
     if entries[0]["config"]["table"] not in DEFAULT_SETTINGS_TABLES:
         return entries  # split_by_settings keeps runs of other settings apart
 
