@@ -164,6 +164,36 @@ def test_a_loss_of_ones_own_is_a_configuration_per_setting_of_its_own(store, tmp
         ("margin_hinge margin=1.0", "10"), ("margin_hinge margin=2.0", "30"), ("squared_hinge", "20")}
 
 
+def test_losses_of_one_name_with_other_functions_are_other_configurations(store, tmp_path):
+    """A loss file of one's own (--config-dir) named `squared_hinge`, or two named `hinge`, with other `_target_`s:
+    their runs were averaged as seeds of one configuration (the function was no param). Records without it (committed
+    ones) and those of the project's own function group as before."""
+    from omegaconf import OmegaConf
+
+    from xmc_repro.tracking import run_params
+
+    loss = {"_target_": "mypackage.losses.hinge", "_partial_": True, "name": "hinge"}
+    params = run_params(OmegaConf.create({"model": {"head": "dense", "_target_": "torch.nn.Linear"}, "loss": loss}))
+    assert params["loss/_target_"] == "mypackage.losses.hinge" and "model/_target_" not in params
+    assert "loss/_partial_" not in params
+
+    def run(name, target, seed, p1):
+        extra = {"loss/_target_": target} if target else {}
+        log_run(store, {**params_of(BIBTEX, "uniform", 32, 128, loss=name, seed=seed), **extra}, metrics_of(p1))
+
+    run("squared_hinge", None, 0, 10.0)  # a record from before the param
+    run("squared_hinge", "xmc_repro.losses.squared_hinge_loss", 1, 20.0)
+    run("squared_hinge", "mypackage.losses.other_hinge", 0, 30.0)
+    run("hinge", "mypackage.losses.hinge", 0, 40.0)
+    run("hinge", "theirs.losses.hinge", 0, 50.0)
+    run("hinge", None, 0, 60.0)
+    rows = export(tmp_path / "runs.csv", store)
+    assert {(r["loss"], r["seeds"], r["test_p1"]) for r in rows} == {
+        ("squared_hinge", "0;1", "15"), ("squared_hinge _target_=mypackage.losses.other_hinge", "0", "30"),
+        ("hinge _target_=mypackage.losses.hinge", "0", "40"), ("hinge _target_=theirs.losses.hinge", "0", "50"),
+        ("hinge", "0", "60")}
+
+
 def test_export_keeps_configurations_tables_and_scales_apart_and_skips_untagged_runs(store, tmp_path):
     log_run(store, params_of(BIBTEX, "uniform", 32, 256), metrics_of(40.0))
     log_run(store, params_of(BIBTEX, "uniform", 64, 256), metrics_of(42.0))

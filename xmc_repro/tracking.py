@@ -63,14 +63,16 @@ def run_params(cfg: DictConfig) -> dict[str, str]:
     """The params of a run: its resolved config flattened with `/`, each setting once.
 
     Not: the callbacks' wiring (their values are model/dataset/trainer settings, logged there: judged from the
-    callback's file, since a resumed run's stored config holds them resolved), the classes objects are built from,
-    the names derived from other settings, and `table`/`scale` (tags). The callbacks' own settings are params
-    (`callbacks/best/monitor`), and `callbacks` names those in use, in order (`~callbacks.early_stop` shows there).
+    callback's file, since a resumed run's stored config holds them resolved), the classes objects are built from
+    (but the loss's function, `loss/_target_`: a loss file of one's own may share another's `name`, and the report
+    tells the two apart by it), the names derived from other settings, and `table`/`scale` (tags). The callbacks'
+    own settings are params (`callbacks/best/monitor`), and `callbacks` names those in use, in order
+    (`~callbacks.early_stop` shows there).
     """
     wired = {f"callbacks/{name}/{key}" for name in cfg.get("callbacks") or {} for key in callback_wiring(name)}
     params = {key: value for key, value in flatten(cfg).items()
-              if key not in TAG_KEYS and key not in wired and key.rsplit("/", 1)[-1] not in ("_target_", "_partial_")
-              and key not in ("model/label", "model/description")}
+              if key not in TAG_KEYS and key not in wired and key not in ("model/label", "model/description")
+              and (key == "loss/_target_" or key.rsplit("/", 1)[-1] not in ("_target_", "_partial_"))}
     params["callbacks"] = ",".join(cfg.get("callbacks") or {})
     return params
 

@@ -62,6 +62,11 @@ NO_SCALE = "none"  # a run tagged with a table but launched without a scale
 # settings, its `model/*` params other than those every head has (the keys of conf/model_common.yaml), in `setup`.
 PAPER_HEADS = ("dense", "uniform", "unstructured", "bottleneck", "mach")
 COMMON_MODEL_SETTINGS = tuple(yaml.safe_load((resource_dir("conf") / "model_common.yaml").read_text()))
+# This project's losses: name -> function (conf/loss/*.yaml). A loss of that name with another function (a file of
+# one's own), or a loss of one's own, names its function in the `loss` column; one whose record lacks it (runs from
+# before `loss/_target_` was a param) is told apart by its name and settings alone, as then.
+PROJECT_LOSSES = {spec["name"]: spec["_target_"] for spec in
+                  (yaml.safe_load(path.read_text()) for path in (resource_dir("conf") / "loss").glob("*.yaml"))}
 
 
 def _value(params: dict, key: str) -> str:
@@ -92,12 +97,18 @@ def configuration(params: dict, tags: dict) -> dict[str, str]:
         "mach_hashes": _value(params, "model/mach/num_hashes") if setup == "mach" else "",
         "mach_buckets": _value(params, "model/mach/num_buckets") if setup == "mach" else "",
         # a loss of one's own at other settings (loss.margin=1,2) is another configuration, as a head's own are
-        "loss": " ".join([_value(params, "loss/name"),
+        "loss": " ".join([_value(params, "loss/name"), *_loss_function(params),
                           *(f"{key}={value}" for key, value in _own_settings(params, "loss", ("name",)))]),
         # blank for float32, the default: a bf16-mixed run is another configuration, not another seed of it
         "precision": precision(_value(params, "trainer/precision")),
         "settings": "",  # see `split_by_settings`
     }
+
+
+def _loss_function(params: dict) -> list[str]:
+    """`_target_=<function>` where the run logged a loss function that is not this project's loss of its name."""
+    target = _value(params, "loss/_target_")
+    return [f"_target_={target}"] if target and target != PROJECT_LOSSES.get(_value(params, "loss/name")) else []
 
 
 # Lightning's short precision names: the same training as the full ones, so the same configuration.
