@@ -18,8 +18,8 @@ from pathlib import Path
 import pytest
 
 from xmc_repro.report import paper, records
-from xmc_repro.report.export import export, read_runs_csv, summarize, write_runs_csv
-from xmc_repro.report.figures import render_figures
+from xmc_repro.report.export import export, read_runs_csv, shared_settings, summarize, write_runs_csv
+from xmc_repro.report.figures import relative_points, render_figures
 from xmc_repro.report.identity import configuration, paper_key, paper_width
 from xmc_repro.report.render import latex, markdown, render_tables, table_rows
 
@@ -595,7 +595,9 @@ def test_differences_to_the_paper_only_on_its_datasets_ratios_to_dense_elsewhere
     assert real["paper_data"] == "yes" and float(real["diff_test_p1"]) == pytest.approx(30.5 - 32.8)
     assert real["ours_p1_vs_dense"] == real["published_p1_vs_dense"] == ""
 
-    rows = {r["our_dataset"]: r for r in table_rows("table1", "smoke", runs, [], published) if r["setup"] == "uniform"}
+    settings = shared_settings(records.load(store))
+    rows = {r["our_dataset"]: r for r in table_rows("table1", "smoke", runs, [], published, settings=settings)
+            if r["setup"] == "uniform"}  # fmt: skip
     stand_in, bibtex = rows["Smoke-Amazon-670K slice"], rows["Bibtex bow"]
     assert stand_in["paper_data"] == "no" and stand_in["diff_test_p1"] == ""
     # ours: P@k ÷ our dense on the same data and machine (found in table 4); paper: 32.8 / 33.8 (Amazon-670K slice)
@@ -608,6 +610,34 @@ def test_differences_to_the_paper_only_on_its_datasets_ratios_to_dense_elsewhere
     assert (float(low), float(high)) == pytest.approx((min(paper_ratios), max(paper_ratios)), abs=1e-5)
     text = markdown("table1", [("smoke", list(rows.values()))])
     assert "| 0.75 / 0.97 | 0.90 / 0.97 |" in text and "| 1.10 / 0.90–1.01 |" in text
+
+
+def test_the_ratio_to_dense_takes_only_a_dense_run_at_the_rows_settings(store, tmp_path, published):
+    """The dense reference came from any table's dense run on the same data and card, whatever it trained with: a
+    1-epoch or bf16-mixed dense run divided a 2-epoch float32 row. Settings of the head's own (rewiring) aside."""
+    two_epochs = {"trainer/max_epochs": "2", "trainer/batch_size": "256"}
+    log_run(store, {**params_of(SMOKE_AMAZON_SLICE, "uniform", 32, 256), **two_epochs}, metrics_of(15.0))
+    log_run(store, {**params_of(SMOKE_AMAZON_SLICE, "dense"), **two_epochs, "trainer/max_epochs": "1",
+                    "model/rewire_fraction": "0.0"}, metrics_of(20.0), table="table4")  # fmt: skip
+    log_run(store, {**params_of(SMOKE_AMAZON_SLICE, "dense"), **two_epochs, "trainer/precision": "bf16-mixed"},
+            metrics_of(30.0), table="table2")
+    log_run(store, {**params_of(BIBTEX, "uniform", 32, 256), **two_epochs}, metrics_of(55.0))
+    log_run(store, {**params_of(BIBTEX, "dense"), **two_epochs, "model/rewire_fraction": "0.0"}, metrics_of(20.0),
+            table="table4")  # another table, the same settings but the head's own
+    log_run(store, {**params_of(BIBTEX, "dense"), "trainer/batch_size": "64"}, metrics_of(50.0))
+    runs = export(tmp_path / "runs.csv", store)
+    settings = shared_settings(records.load(store))
+    rows = {r["our_dataset"]: r for r in table_rows("table1", "smoke", runs, [], published, settings=settings)
+            if r["status"] == "measured"}  # fmt: skip
+    stand_in, bibtex = rows["Smoke-Amazon-670K slice"], rows["Bibtex bow"]
+    assert stand_in["ours_p1_vs_dense"] == stand_in["dense_run_ids"] == ""  # no dense run at 2 epochs in float32
+    assert float(bibtex["ours_p1_vs_dense"]) == 2.75  # the table 4 dense run, not table 1's at batch size 64
+    text = markdown("table1", [("smoke", list(rows.values()))])
+    assert "| —ᵇ / 0.97 |" in text and "| 2.75 / 0.90–1.01 |" in text
+    assert "- ᵇ: no dense run of ours on the same data, scale and card at the row's settings" in text
+    assert "ᵇ" not in markdown("table1", [("smoke", [bibtex])])  # said only where it is shown
+    # the figures' relative points take the same reference: the stand-in has none
+    assert relative_points(runs, settings) == {}
 
 
 def test_a_dataset_whose_data_was_not_found_is_one_row_saying_so(store, tmp_path, published):
@@ -677,7 +707,7 @@ def test_render_writes_every_table_and_figure_with_our_points(store, tmp_path, p
             assert (tmp_path / "tables" / f"{table}.{ext}").stat().st_size > 0
         with open(tmp_path / "tables" / f"{table}.csv") as f:
             assert len(list(csv.DictReader(f))) == len(rendered[table])
-    names = render_figures(runs, published, tmp_path / "figures")
+    names = render_figures(runs, published, tmp_path / "figures", shared_settings(records.load(store)))
     assert names[:5] == [f"relative_{n}.png" for n in ("wiki10_31k", "amazon670k_slice", "amazon670k_cascade",
                                                         "wikipedia500k_slice", "wikipedia500k_cascade")]  # fmt: skip
     assert "state_vs_p1_smoke_amazon_670k_slice_smoke.png" in names

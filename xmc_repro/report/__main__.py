@@ -40,6 +40,8 @@ def parser() -> argparse.ArgumentParser:
     grid.add_argument("--out", type=Path, default=RESULTS / "grid.csv")
     render = commands.add_parser("render", help="runs.csv + grid.csv -> tables (md, tex, csv) and figures")
     render.add_argument("--runs", type=Path, default=RESULTS / "runs.csv")
+    render.add_argument("--records", type=Path, default=RESULTS / "records",
+                        help="the records runs.csv came from: the settings a ratio's dense run must share")
     render.add_argument("--grid", type=Path, default=RESULTS / "grid.csv")
     render.add_argument("--paper", type=Path, help="published numbers (default: results/paper_results.csv)")
     render.add_argument("--data-missing", type=Path, default=RESULTS / "data_missing.json")
@@ -98,7 +100,7 @@ def run(args) -> None:
 
         print(f"{args.out}: {write_grid(args.out)} configurations in the presets' grids")
     elif args.command == "render":
-        render_all(args.runs, args.grid, args.paper, args.data_missing, args.tables, args.figures)
+        render_all(args.runs, args.grid, args.paper, args.data_missing, args.tables, args.figures, args.records)
     else:
         from xmc_repro.report.claims import write_claims
         from xmc_repro.report.export import read_runs_csv
@@ -128,20 +130,26 @@ def _published(path: Path | None) -> list[dict]:
 
 
 def render_all(runs_csv: Path, grid_csv: Path, paper_csv: Path | None, data_missing: Path, tables_dir: Path,
-               figures_dir: Path) -> None:  # fmt: skip
-    from xmc_repro.report.export import read_runs_csv
+               figures_dir: Path, records_dir: Path = RESULTS / "records") -> None:  # fmt: skip
+    from xmc_repro.errors import DataError
+    from xmc_repro.report.export import read_runs_csv, shared_settings
+    from xmc_repro.report.records import load
     from xmc_repro.report.figures import render_figures
     from xmc_repro.report.grid import read_grid
     from xmc_repro.report.render import render_tables
     from xmc_repro.report.smoke import read_data_missing
 
     runs, published = read_runs_csv(runs_csv), _published(paper_csv)
-    rendered = render_tables(runs, published, tables_dir, read_grid(grid_csv), read_data_missing(data_missing))
+    if not records_dir.is_dir():  # without them no ratio to dense would be shown
+        raise DataError(f"{records_dir}: no such folder of run records; give --records results/records")
+    settings = shared_settings(load(records_dir))
+    rendered = render_tables(runs, published, tables_dir, read_grid(grid_csv), read_data_missing(data_missing),
+                             settings)
     for table, rows in rendered.items():
         measured = sum(r["status"] == "measured" for r in rows)
         missing = sum(r["status"] == "missing" for r in rows)
         print(f"{tables_dir / table}.{{md,tex,csv}}: {measured} measured, {missing} missing")
-    names = render_figures(runs, published, figures_dir)
+    names = render_figures(runs, published, figures_dir, settings)
     print(f"{figures_dir}: {len(names)} figures, index in {figures_dir / 'README.md'}")
 
 

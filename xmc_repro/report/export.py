@@ -18,7 +18,8 @@ from xmc_repro.report import records as run_records
 from xmc_repro.report.atomic import replacing
 from xmc_repro.report.csv_file import read_rows
 from xmc_repro.report.identity import (
-    CONFIG_COLUMNS, DEFAULT_SETTINGS_TABLES, SETTINGS, trained_with, config_key, configuration, split_by_settings)
+    CONFIG_COLUMNS, DEFAULT_SETTINGS_TABLES, SETTINGS, SHARED_SETTINGS, trained_with, config_key, configuration,
+    split_by_settings)
 from xmc_repro.report.state import model_state_bytes, param
 
 # runs.csv column -> MLflow metric key; the names follow the paper's CSV where it has the column.
@@ -88,6 +89,34 @@ def _at_latest_settings(entries: list[dict]) -> list[dict]:
     wanted = settings(max(entries, key=lambda e: e["order"]))
     return [e for e in entries if all(value == wanted[key] or "" in (value, wanted[key])
                                       for key, value in settings(e).items())]
+
+
+def shared_settings(records: list[dict]) -> dict[str, dict[str, str]]:
+    """Run id (each one a runs.csv row lists) -> the run's values of the settings every head trains with
+    (`identity.SHARED_SETTINGS`), which runs.csv does not carry: for `same_settings`."""
+    found = {}
+    for record in records:
+        used = run_records.used_params(record)
+        values = {key: trained_with(used, key) for key in SHARED_SETTINGS}
+        for run_id in record.get("aggregate", {}).get("run_ids") or [record["run_id"]]:
+            found[run_id] = values
+    return found
+
+
+def same_settings(a: dict, b: dict, settings: dict[str, dict[str, str]]) -> bool:
+    """Whether runs.csv rows `a` and `b` (of two heads) trained alike but for the heads: the same precision and
+    `shared_settings`, where a setting a run predates differs from none (as in `summarize`). Not where a row's runs
+    are not in `settings`."""
+    if a["precision"] != b["precision"]:
+        return False
+    sides = [[settings.get(run_id) for run_id in row["run_ids"].split(";")] for row in (a, b)]
+    if None in sides[0] + sides[1]:
+        return False
+    for key in SHARED_SETTINGS:
+        known = [{values[key] for values in side} - {""} for side in sides]
+        if all(known) and known[0] != known[1]:
+            return False
+    return True
 
 
 def machine(tags: dict) -> str:

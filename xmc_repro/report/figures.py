@@ -73,12 +73,13 @@ def _unique(runs: list[dict]) -> list[dict]:
     return out
 
 
-def relative_points(runs: list[dict]) -> dict[str, list[dict]]:
-    """Ours relative to our dense model on the same data, per paper dataset that the data is or stands in for."""
+def relative_points(runs: list[dict], settings: dict | None = None) -> dict[str, list[dict]]:
+    """Ours relative to our dense model on the same data and at the same settings (render.dense_reference; none
+    without `settings`, export.shared_settings), per paper dataset that the data is or stands in for."""
     points: dict[str, list[dict]] = {}
     for run in _unique(runs):
         stands_for = paper_dataset(run["dataset"], run["features"])
-        dense = dense_reference(run, runs)
+        dense = dense_reference(run, runs, settings or {})
         if stands_for is None or run["setup"] == "dense" or dense is None:
             continue
         if not (run["state_mib"] and dense["state_mib"] and dense["test_p1"] and float(dense["test_p1"])):
@@ -187,10 +188,11 @@ def _title(name: str) -> str:
     return f"{dataset} ({features} features)"
 
 
-def render_figures(runs: list[dict], published: list[dict], out_dir: Path) -> list[str]:
-    """Write the figures, their data and figures/README.md; returns the figures' file names."""
+def render_figures(runs: list[dict], published: list[dict], out_dir: Path, settings: dict | None = None) -> list[str]:
+    """Write the figures, their data and figures/README.md; returns the figures' file names. `settings`: as for
+    `relative_points`."""
     data_dir = out_dir / "data"  # made by the first write into it (atomic.replacing)
-    theirs, ours = paper_points(published), relative_points(runs)
+    theirs, ours = paper_points(published), relative_points(runs, settings)
     names, sections = [], []
     for name in PAPER_DATASETS.values():
         _write(theirs.get(name, []), data_dir / f"{name}_paper.csv")

@@ -57,6 +57,13 @@ SETTINGS = (
     # before these were params differ from none in them
     "callbacks", "callbacks/best/monitor", "callbacks/best/mode",
 )  # fmt: skip
+# Of those, the settings of a head's own (rewiring: sparse heads only): the rest are what every head trains with, at
+# which a row's dense reference (the "÷ dense" ratios) must have trained too.
+HEAD_SETTINGS = (
+    "model/distinct_sources", "model/rewire_exact_count", "model/rewire_fraction", "model/rewire_schedule",
+    "model/bottleneck_activation", "model/mach/decode", "dataset/rewire_every_n_steps", "dataset/rewire_every_epoch",
+)  # fmt: skip
+SHARED_SETTINGS = tuple(key for key in SETTINGS if key not in HEAD_SETTINGS)
 NO_SCALE = "none"  # a run tagged with a table but launched without a scale
 # The heads the columns above describe; a head of one's own (README, "A new last layer") is told apart by its own
 # settings, its `model/*` params other than those every head has (the keys of conf/model_common.yaml), in `setup`.

@@ -7,9 +7,9 @@ nothing is filled in that was not measured.
 
 A difference to the paper (Δ) is only shown for runs on the paper's own datasets. A synthetic stand-in or a
 small real dataset (Bibtex, Delicious) is other data: there, what carries over is how each model compares with
-the dense model on the same data, so those rows give P@k ÷ the dense model's P@k (same data, scale and machine)
-beside the paper's same ratio on the dataset stood in for (for Bibtex/Delicious: the range over the paper's
-datasets of that ratio for the same kind of model).
+the dense model on the same data, so those rows give P@k ÷ the dense model's P@k (same data, scale, machine and
+settings but the head's own) beside the paper's same ratio on the dataset stood in for (for Bibtex/Delicious: the
+range over the paper's datasets of that ratio for the same kind of model).
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from pathlib import Path
 
 from xmc_repro.report import paper
 from xmc_repro.report.atomic import replacing, write_text
+from xmc_repro.report.export import same_settings
 from xmc_repro.report.grid import SCALES, TABLES
 from xmc_repro.report.identity import PAPER_DATASETS, config_key, describe, paper_key
 
@@ -45,9 +46,10 @@ SCALE_NOTES = {
 
 
 def table_rows(table: str, scale: str, runs: list[dict], expected: list[dict], published: list[dict],
-               data_missing: dict[str, str] | None = None) -> list[dict]:  # fmt: skip
-    """The rows of one table at one scale; `runs` are all of runs.csv (dense references may be in any table). At a
-    scale without a grid (runs tagged `table=` by hand, without `scale=`), the rows of its runs only."""
+               data_missing: dict[str, str] | None = None, settings: dict | None = None) -> list[dict]:  # fmt: skip
+    """The rows of one table at one scale; `runs` are all of runs.csv (dense references may be in any table, at the
+    row's settings: `settings`, export.shared_settings of the records; without them no ratio to dense). At a scale
+    without a grid (runs tagged `table=` by hand, without `scale=`), the rows of its runs only."""
     ours: dict[tuple, list[dict]] = {}  # a configuration may have run on several machines
     for run in runs:
         if run["table"] == table and run["scale"] == scale:
@@ -64,7 +66,8 @@ def table_rows(table: str, scale: str, runs: list[dict], expected: list[dict], p
         key = paper_key(config)
         (matched.setdefault(key, []) if key in published_keys else extras).append(config)
 
-    context = {"runs": runs, "published": published, "paper_table": paper.PAPER_TABLES[table]}
+    context = {"runs": runs, "published": published, "paper_table": paper.PAPER_TABLES[table],
+               "settings": settings or {}}
     rows = []
     for published_row in rows_here:
         if scale not in SCALES and not matched.get(paper.row_key(published_row)):  # no grid there: its runs only
@@ -133,7 +136,7 @@ def _row(table, scale, published_row, source, config, run, context) -> dict[str,
         if row[f"ours_{m}"] and row[f"published_{m}"] and row["paper_data"] == "yes":
             row[f"diff_{m}"] = f"{float(row[f'ours_{m}']) - float(row[f'published_{m}']):.6g}"
     if row["paper_data"] == "no" and config["setup"] != "dense":
-        dense = dense_reference(run, context["runs"])
+        dense = dense_reference(run, context["runs"], context["settings"])
         if dense is not None:
             row["dense_run_ids"] = dense["run_ids"]
             for k in RATIO_KS:
@@ -155,10 +158,12 @@ def _ratio(value: str, reference: str) -> str:
     return f"{float(value) / float(reference):.6g}"
 
 
-def dense_reference(run: dict, runs: list[dict]) -> dict | None:
-    """Our dense model without intermediate layer on the same data, scale and machine (same loss and table first)."""
+def dense_reference(run: dict, runs: list[dict], settings: dict) -> dict | None:
+    """Our dense model without intermediate layer on the same data, scale and machine, trained at the run's settings
+    but the head's own (export.same_settings: precision, epochs, batch size, ...; same loss and table first)."""
     same = [r for r in runs if r["setup"] == "dense" and not r["intermediate"]
-            and all(r[c] == run[c] for c in ("scale", "dataset", "features", "device"))]  # fmt: skip
+            and all(r[c] == run[c] for c in ("scale", "dataset", "features", "device"))
+            and same_settings(r, run, settings)]  # fmt: skip
     same.sort(key=lambda r: (r["loss"] != run["loss"], r["table"] != run["table"], r["table"]))
     return same[0] if same else None
 
@@ -256,7 +261,14 @@ def _vs_dense(row: dict, k: int) -> str:
     def fmt(value: str) -> str:
         return "–".join(f"{float(v):.2f}" for v in value.split("..")) if value else "—"
 
-    return f"{fmt(row[f'ours_p{k}_vs_dense'])} / {fmt(row[f'published_p{k}_vs_dense'])}"
+    ours = fmt(row[f"ours_p{k}_vs_dense"]) if row["dense_run_ids"] else NO_DENSE
+    return f"{ours} / {fmt(row[f'published_p{k}_vs_dense'])}"
+
+
+# Our side of a ratio to dense without a dense run to divide by, and what it means (said where it is shown).
+NO_DENSE = "—ᵇ"
+NO_DENSE_NOTE = ("ᵇ: no dense run of ours on the same data, scale and card at the row's settings (but the head's "
+                 "own: precision, epochs, batch size, learning rate, ...), so no ratio to it.")
 
 
 def display_columns(rows: list[dict]) -> list[tuple[str, callable]]:
@@ -331,13 +343,15 @@ def markdown(table: str, blocks: list[tuple[str, list[dict]]]) -> str:
         lines.append("The paper publishes tables 2 and 3 as differences to the dense row; the published values "
                      "here are those differences added back to the dense row.")  # fmt: skip
         lines.append("")
-    lines += [f"- {note}" for note in FOOTNOTES]
+    notes = [*FOOTNOTES, NO_DENSE_NOTE] if any(NO_DENSE in line for line in lines) else FOOTNOTES
+    lines += [f"- {note}" for note in notes]
     return "\n".join(lines) + "\n"
 
 
 _TEX_ESCAPES = {"\\": r"\textbackslash{}", "&": r"\&", "%": r"\%", "$": r"\$", "#": r"\#", "_": r"\_",
                 "{": r"\{", "}": r"\}", "~": r"\textasciitilde{}", "^": r"\textasciicircum{}",
-                "±": r"$\pm$", "Δ": r"$\Delta$", "—": "--", "ᵃ": r"\textsuperscript{a}", "−": "-",
+                "±": r"$\pm$", "Δ": r"$\Delta$", "—": "--", "ᵃ": r"\textsuperscript{a}",
+                "ᵇ": r"\textsuperscript{b}", "−": "-",
                 "÷": r"$\div$", "–": "--"}  # fmt: skip
 
 
@@ -370,13 +384,16 @@ def write_csv(rows: list[dict], path: Path) -> None:
 
 
 def render_tables(runs: list[dict], published: list[dict], out_dir: Path, expected,
-                  data_missing: dict[str, str] | None = None) -> dict[str, list]:  # fmt: skip
-    """Write table{1..5}.{md,tex,csv}; `expected(table, scale)` gives the preset's grid (grid.read_grid)."""
+                  data_missing: dict[str, str] | None = None,
+                  settings: dict | None = None) -> dict[str, list]:  # fmt: skip
+    """Write table{1..5}.{md,tex,csv}; `expected(table, scale)` gives the preset's grid (grid.read_grid), `settings`
+    the runs' (export.shared_settings), which a dense reference must share."""
     rendered = {}  # out_dir is made by the first write into it (atomic.replacing)
     for table in TABLES:
         blocks = []
         for scale in scales_to_show(runs, table):
-            blocks.append((scale, table_rows(table, scale, runs, expected(table, scale), published, data_missing)))
+            blocks.append((scale, table_rows(table, scale, runs, expected(table, scale), published, data_missing,
+                                             settings)))
         rows = [r for _, block in blocks for r in block]
         write_text(out_dir / f"{table}.md", markdown(table, blocks), RERUN)
         write_text(out_dir / f"{table}.tex", latex(table, blocks), RERUN)
