@@ -781,10 +781,17 @@ def claim_runs(store, out_dir, gpu_bce=True, gpu_gib=1.2, gpu_seconds=None, **ch
     return export(out_dir / "runs.csv", store)
 
 
+def evaluated(runs, store) -> dict:
+    """The claims on runs.csv's `runs`, by key, with the settings of the records in `store`."""
+    from xmc_repro.report.claims import evaluate
+
+    return {c.key: c for c in evaluate(runs, shared_settings(records.load(store)))}
+
+
 def test_claims_hold_on_runs_that_show_them(store, tmp_path):
     from xmc_repro.report.claims import write_claims
 
-    verdicts = write_claims(claim_runs(store, tmp_path), tmp_path / "claims.md")
+    verdicts = write_claims(claim_runs(store, tmp_path), tmp_path / "claims.md", shared_settings(records.load(store)))
     assert verdicts == {f"C{i}": "holds" for i in range(1, 9)}
     text = (tmp_path / "claims.md").read_text()
     assert "dense 9.70 GiB, uniform 32 + 32768 intermediate 1.20 GiB: 8.1x less" in text
@@ -795,24 +802,46 @@ def test_claims_hold_on_runs_that_show_them(store, tmp_path):
 def test_a_ddp_run_is_its_own_row_and_no_one_gpu_run(store, tmp_path):
     """Its time per epoch is that of several GPUs and its memory one rank's: never averaged with a one-GPU run's
     seeds, and not the paper's "one GPU" (C7)."""
-    from xmc_repro.report.claims import evaluate
-
     params = params_of(("Synthetic-Amazon-670K", "synthetic"), "uniform", 32, 32768)
     log_run(store, params, metrics_of(0.1, memory=1.2, seconds=3.0), device=H200, scale="paper", world_size="1")
     log_run(store, params, metrics_of(0.1, memory=1.3, seconds=1.6), device=H200, scale="paper", world_size="2")
     runs = export(tmp_path / "runs.csv", store)
     assert sorted((r["device"], r["time_per_epoch_s"]) for r in runs) == [(f"2 x {H200}", "1.6"), (H200, "3")]
-    claims = {c.key: c for c in evaluate(runs)}
+    claims = evaluated(runs, store)
     assert claims["C7"].verdict == "holds" and f"2 x {H200}" not in claims["C7"].markdown()
     (store / f"{[r for r in runs if r['device'] == H200][0]['run_ids']}.json").unlink()  # the DDP run alone
-    claims = {c.key: c for c in evaluate(export(tmp_path / "runs.csv", store))}
+    claims = evaluated(export(tmp_path / "runs.csv", store), store)
     assert claims["C7"].verdict != "holds" and "no one-GPU run" in claims["C7"].markdown()
 
 
-def test_the_papers_4_gb_and_faster_epoch_claims_fail_on_runs_that_contradict_them(store, tmp_path):
-    from xmc_repro.report.claims import evaluate
+def test_memory_and_epoch_time_claims_pair_runs_at_one_scale_and_the_same_settings(store, tmp_path):
+    """C4 and C8 compared a uniform run with every dense run on the same data, card and loss, whatever its scale or
+    settings (a dense run at another batch size, or launched without scale=paper). Now only with the dense run the
+    tables divide it by (render.dense_reference), and a uniform run without one is said to be not compared."""
+    shape, batch = ("Synthetic-Amazon-670K", "synthetic"), {"trainer/batch_size": "256"}
+    uniform = log_run(store, {**params_of(shape, "uniform", 32, 32768), **batch},
+                      metrics_of(0.1, memory=1.2, seconds=1.5), device=H200, scale="paper")
+    log_run(store, {**params_of(shape, "dense"), "trainer/batch_size": "64"}, metrics_of(0.1, memory=9.7, seconds=6.0),
+            device=H200, scale="paper")
+    log_run(store, {**params_of(shape, "dense"), **batch}, metrics_of(0.1, memory=2.0, seconds=1.0), device=H200,
+            scale=None)
+    claims = evaluated(export(tmp_path / "runs.csv", store), store)
+    assert claims["C4"].verdict == claims["C8"].verdict == "not measured here"
+    for key in ("C4", "C8"):
+        assert (f"Synthetic-Amazon-670K on {H200}: uniform 32 + 32768 intermediate (run {uniform}), no dense run at "
+                "its scale and settings (dense: run ") in claims[key].markdown()
+    # a dense run at its scale and settings (in another table, with the dense head's own rewiring) is compared
+    log_run(store, {**params_of(shape, "dense"), **batch, "model/rewire_fraction": "0.0"},
+            metrics_of(0.1, memory=9.0, seconds=6.0), device=H200, scale="paper", table="table4")
+    claims = evaluated(export(tmp_path / "runs.csv", store), store)
+    assert claims["C4"].verdict == claims["C8"].verdict == "holds"
+    assert claims["C4"].outcomes == claims["C8"].outcomes == [True]
+    assert "dense 9.00 GiB, uniform 32 + 32768 intermediate 1.20 GiB: 7.5x less" in claims["C4"].markdown()
+    assert "uniform 32 + 32768 intermediate 1.5 s, dense 6.0 s per epoch: 4.0x" in claims["C8"].markdown()
 
-    claims = {c.key: c for c in evaluate(claim_runs(store, tmp_path, gpu_gib=4.2, gpu_seconds={"uniform": 7.0}))}
+
+def test_the_papers_4_gb_and_faster_epoch_claims_fail_on_runs_that_contradict_them(store, tmp_path):
+    claims = evaluated(claim_runs(store, tmp_path, gpu_gib=4.2, gpu_seconds={"uniform": 7.0}), store)
     assert claims["C7"].verdict == claims["C8"].verdict == "does not hold here"
     assert "uniform 32 + 32768 intermediate 4.20 GiB" in claims["C7"].markdown()
 
@@ -820,7 +849,6 @@ def test_the_papers_4_gb_and_faster_epoch_claims_fail_on_runs_that_contradict_th
 def test_a_stand_in_run_without_the_smoke_scale_tag_is_no_670k_label_run(store, tmp_path):
     """A smoke stand-in (Smoke-Amazon-670K: 3,278 labels) launched without scale=smoke is tagged scale "none"; C7
     and C8 took it for a run at Amazon-670K's shape."""
-    from xmc_repro.report.claims import evaluate
     from xmc_repro.report.export import export
 
     runs = claim_runs(store, tmp_path)
@@ -831,64 +859,55 @@ def test_a_stand_in_run_without_the_smoke_scale_tag_is_no_670k_label_run(store, 
             scale=None)
     stand_in = [r for r in export(tmp_path / "more.csv", store) if r["dataset"].startswith("Smoke")]
     assert {r["scale"] for r in stand_in} == {"none"}
-    claims = {c.key: c for c in evaluate(runs + stand_in)}
+    claims = evaluated(runs + stand_in, store)
     assert claims["C7"].verdict == claims["C8"].verdict == "not measured here"
 
 
 def test_epoch_times_of_cpu_runs_do_not_decide_a_claim(store, tmp_path):
     """CPU seconds depend on what else shared the cores: without GPU runs of both losses C5 is only half measured."""
-    from xmc_repro.report.claims import evaluate
-
-    claims = {c.key: c for c in evaluate(claim_runs(store, tmp_path, gpu_bce=False))}
+    claims = evaluated(claim_runs(store, tmp_path, gpu_bce=False), store)
     assert claims["C5"].verdict == "holds where measured; the rest is not measured here"
     assert "time: no GPU runs of both losses" in claims["C5"].markdown()
 
 
 def test_uniform_ahead_of_unstructured_does_not_fail_c3(store, tmp_path):
     """C3 says uniform is as good as unstructured: uniform more than a point ahead supports it, as in C2 and C5."""
-    from xmc_repro.report.claims import evaluate
-
-    claims = {c.key: c for c in evaluate(claim_runs(store, tmp_path, uniform32=25.0))}  # 4 points above unstructured
+    claims = evaluated(claim_runs(store, tmp_path, uniform32=25.0), store)  # 4 points above unstructured
     assert claims["C3"].verdict == "holds"
 
 
 def test_c3_counts_only_models_after_the_same_intermediate_layer(store, tmp_path):
     """The paper claims parity with the intermediate layer; without it its own Table 1 goes both ways (Amazon-670K
     slice: uniform 7.8 P@1 below unstructured), so that pair is shown beside the verdict, not counted in it."""
-    from xmc_repro.report.claims import evaluate
-
     runs = claim_runs(store, tmp_path, uniform32=15.0)  # 6 points below unstructured 32
-    c3 = {c.key: c for c in evaluate(runs)}["C3"]
+    c3 = evaluated(runs, store)["C3"]
     assert c3.verdict == "holds"
     assert "- (not counted) Bibtex: test P@1/3/5 uniform 32 15.00" in c3.markdown()
     assert "- ✓ Bibtex: test P@1/3/5 uniform 32 + 1024 intermediate" in c3.markdown()
     # without unstructured runs after an intermediate layer there is nothing to verdict
     runs = [r for r in runs if not (r["setup"] == "unstructured" and r["intermediate"])]
-    assert {c.key: c for c in evaluate(runs)}["C3"].verdict == "not measured here"
+    assert evaluated(runs, store)["C3"].verdict == "not measured here"
 
 
 def test_a_gain_within_the_level_band_is_no_raise_for_c6(store, tmp_path):
     """C6 (more capacity raises P@k): 0.2 points more is level by the claims' 1-point rule, not a raise."""
-    from xmc_repro.report.claims import evaluate
 
-    claims = {c.key: c for c in evaluate(claim_runs(store, tmp_path, **{"uniform64+1024": 60.7}))}
+    claims = evaluated(claim_runs(store, tmp_path, **{"uniform64+1024": 60.7}), store)
     assert claims["C6"].verdict == "does not hold here"
 
 
 def test_a_bf16_mixed_run_does_not_stand_in_for_the_float32_one(store, tmp_path):
     from xmc_repro.report.claims import evaluate
 
-    runs = claim_runs(store, tmp_path)
+    runs, settings = claim_runs(store, tmp_path), shared_settings(records.load(store))
     bf16 = [dict(r, precision="bf16-mixed", test_p1="1.0", last_end_time="2099-01-01T00:00:00+00:00") for r in runs]
-    assert [c.verdict for c in evaluate(runs + bf16)] == [c.verdict for c in evaluate(runs)]
+    assert [c.verdict for c in evaluate(runs + bf16, settings)] == [c.verdict for c in evaluate(runs, settings)]
 
 
 def test_runs_that_change_a_default_setting_on_purpose_are_not_used(store, tmp_path):
-    from xmc_repro.report.claims import evaluate
-
     runs = claim_runs(store, tmp_path)
     runs = [dict(r, table="differences") if r["dataset"] == "Bibtex" else r for r in runs]
-    claims = {c.key: c for c in evaluate(runs)}
+    claims = evaluated(runs, store)
     assert claims["C1"].verdict == claims["C2"].verdict == "not measured here"
 
 
@@ -896,7 +915,7 @@ def test_claims_that_fail_or_lack_runs_say_so(store, tmp_path):
     from xmc_repro.report.claims import evaluate
 
     runs = claim_runs(store, tmp_path, **{"uniform32+1024": 55.0, "uniform32+2048": 50.0})
-    claims = {c.key: c for c in evaluate(runs)}
+    claims = evaluated(runs, store)
     assert claims["C2"].verdict == "does not hold here"  # 55.0 is more than a point below dense's 60.0
     assert claims["C3"].verdict == "does not hold here"  # unstructured 32 + 1024 is 5 points above
     assert claims["C6"].verdict == "does not hold here"  # 2048 (50.0) below 1024 (55.0)
@@ -904,8 +923,8 @@ def test_claims_that_fail_or_lack_runs_say_so(store, tmp_path):
     assert claims["C1"].verdict == claims["C4"].verdict == "holds"
     assert "✗" in claims["C2"].markdown() and "✓" in claims["C6"].markdown()  # 64 connections did raise P@k
     smoke_only = [dict(r, scale="smoke") for r in runs]
-    assert {c.verdict for c in evaluate(smoke_only)} == {"not measured here"}
-    assert "Not measured here: no trained" in evaluate([])[0].markdown()
+    assert {c.verdict for c in evaluate(smoke_only, shared_settings(records.load(store)))} == {"not measured here"}
+    assert "Not measured here: no trained" in evaluate([], {})[0].markdown()
 
 
 # ---------------------------------------------------------------------------------------------------- committed files
@@ -1372,7 +1391,8 @@ def test_the_claims_stage_on_a_full_disk_is_one_line_and_keeps_the_old_file(tmp_
     runs_csv = records.PROJECT_ROOT / "results" / "runs.csv"
     out = tmp_path / "claims.md"
     out.write_text("old claims\n")
-    result = _report(["claims", "--runs", str(runs_csv), "--out", str(out)], tmp_path, size=1000)
+    result = _report(["claims", "--runs", str(runs_csv), "--records", str(runs_csv.parent / "records"), "--out",
+                      str(out)], tmp_path, size=1000)  # fmt: skip
     assert result.returncode == 2, result.stderr[-3000:]
     assert result.stderr.strip() == (f"error: {out}: could not be written (File too large); fix that and rerun the "
                                      "claims stage (`dvc repro`) (the old file is kept)")

@@ -49,6 +49,8 @@ def parser() -> argparse.ArgumentParser:
     render.add_argument("--figures", type=Path, default=RESULTS / "figures")
     claims = commands.add_parser("claims", help="runs.csv -> the paper's claims, verdicted (claims.md)")
     claims.add_argument("--runs", type=Path, default=RESULTS / "runs.csv")
+    claims.add_argument("--records", type=Path, default=RESULTS / "records",
+                        help="the records runs.csv came from: the settings a uniform and a dense run must share")
     claims.add_argument("--out", type=Path, default=RESULTS / "claims.md")
     return main
 
@@ -105,7 +107,8 @@ def run(args) -> None:
         from xmc_repro.report.claims import write_claims
         from xmc_repro.report.export import read_runs_csv
 
-        verdicts = write_claims(read_runs_csv(args.runs), args.out)
+        runs = read_runs_csv(args.runs)
+        verdicts = write_claims(runs, args.out, _shared_settings(args.records))
         print(f"{args.out}: " + ", ".join(f"{claim} {verdict}" for claim, verdict in verdicts.items()))
 
 
@@ -129,20 +132,27 @@ def _published(path: Path | None) -> list[dict]:
     return paper.load(path or paper.PAPER_CSV)
 
 
+def _shared_settings(records_dir: Path) -> dict[str, dict[str, str]]:
+    """export.shared_settings of the records in `records_dir`, which runs.csv does not carry."""
+    from xmc_repro.errors import DataError
+    from xmc_repro.report.export import shared_settings
+    from xmc_repro.report.records import load
+
+    if not records_dir.is_dir():  # without them no dense run would be found at a run's settings
+        raise DataError(f"{records_dir}: no such folder of run records; give --records results/records")
+    return shared_settings(load(records_dir))
+
+
 def render_all(runs_csv: Path, grid_csv: Path, paper_csv: Path | None, data_missing: Path, tables_dir: Path,
                figures_dir: Path, records_dir: Path = RESULTS / "records") -> None:  # fmt: skip
-    from xmc_repro.errors import DataError
-    from xmc_repro.report.export import read_runs_csv, shared_settings
-    from xmc_repro.report.records import load
+    from xmc_repro.report.export import read_runs_csv
     from xmc_repro.report.figures import render_figures
     from xmc_repro.report.grid import read_grid
     from xmc_repro.report.render import render_tables
     from xmc_repro.report.smoke import read_data_missing
 
     runs, published = read_runs_csv(runs_csv), _published(paper_csv)
-    if not records_dir.is_dir():  # without them no ratio to dense would be shown
-        raise DataError(f"{records_dir}: no such folder of run records; give --records results/records")
-    settings = shared_settings(load(records_dir))
+    settings = _shared_settings(records_dir)
     rendered = render_tables(runs, published, tables_dir, read_grid(grid_csv), read_data_missing(data_missing),
                              settings)
     for table, rows in rendered.items():

@@ -6,7 +6,9 @@ such as `differences`, change a setting on purpose). Accuracy claims use the rea
 Delicious) and leave out smoke-scale runs (a few epochs: they show the pipeline, not trained models); memory and
 time claims use the runs on a GPU with a paper dataset's labels and inputs (the synthetic stand-ins), never smoke
 scale, where the CUDA context outweighs the model, and never CPU runs, whose seconds depend on what else shared
-the cores. A claim without the runs it needs says so: "not measured here".
+the cores; a uniform run is compared with the dense run the tables divide it by (render.dense_reference: same data,
+scale and card, trained at its settings but the head's own, read from the records), of the same loss. A claim
+without the runs it needs says so: "not measured here".
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from pathlib import Path
 from xmc_repro.report.atomic import write_text
 from xmc_repro.report.export import on_one_device
 from xmc_repro.report.identity import DEFAULT_SETTINGS_TABLES, SMOKE_PREFIX
+from xmc_repro.report.render import dense_reference
 
 REAL_DATA = ("Bibtex", "Delicious")
 TOLERANCE = 1.0  # percentage points of P@k within which two models count as level
@@ -98,7 +101,7 @@ class Claim:
         return "\n".join(lines) + "\n"
 
 
-def c1_underfits(claim: Claim, runs: list[dict]) -> None:
+def c1_underfits(claim: Claim, runs: list[dict], settings: dict) -> None:
     for dataset in REAL_DATA:
         dense = pick(runs, dataset, "dense")
         for setup in ("uniform", "unstructured"):
@@ -112,7 +115,7 @@ def c1_underfits(claim: Claim, runs: list[dict]) -> None:
             claim.missing.append(f"no trained runs of dense and uniform/unstructured without intermediate on {dataset}")
 
 
-def c2_intermediate(claim: Claim, runs: list[dict]) -> None:
+def c2_intermediate(claim: Claim, runs: list[dict], settings: dict) -> None:
     for dataset in REAL_DATA:
         dense = pick(runs, dataset, "dense")
         here = [r for r in runs if r["dataset"] == dataset and r["setup"] == "uniform" and r["intermediate"]]
@@ -133,7 +136,7 @@ def c2_intermediate(claim: Claim, runs: list[dict]) -> None:
             claim.missing.append(f"no trained runs of dense and uniform with an intermediate layer on {dataset}")
 
 
-def c3_uniform_vs_unstructured(claim: Claim, runs: list[dict]) -> None:
+def c3_uniform_vs_unstructured(claim: Claim, runs: list[dict], settings: dict) -> None:
     for dataset in REAL_DATA:
         before = len(claim.outcomes)
         for run in [r for r in runs if r["dataset"] == dataset and r["setup"] == "unstructured"]:
@@ -155,18 +158,32 @@ def c3_uniform_vs_unstructured(claim: Claim, runs: list[dict]) -> None:
                                  f"intermediate layer on {dataset}")  # fmt: skip
 
 
-def c4_memory(claim: Claim, runs: list[dict]) -> None:
+def c4_memory(claim: Claim, runs: list[dict], settings: dict) -> None:
     gpu = [r for r in runs if _full_shape(r) and r["memory_gib"]]
-    for dense in [r for r in gpu if r["setup"] == "dense" and not r["intermediate"]]:
-        same = [r for r in gpu if r["setup"] == "uniform" and r["loss"] == dense["loss"]
-                and all(r[c] == dense[c] for c in ("dataset", "features", "device"))]  # fmt: skip
-        for uniform in same:
+    for uniform in [r for r in gpu if r["setup"] == "uniform"]:
+        dense = _dense_for(claim, uniform, gpu, settings)
+        if dense:
             factor = float(dense["memory_gib"]) / float(uniform["memory_gib"])
             claim.compare(factor >= MEMORY_FACTOR, f"{dense['dataset']} on {dense['device']}: dense "
                           f"{float(dense['memory_gib']):.2f} GiB, {_model(uniform)} "
                           f"{float(uniform['memory_gib']):.2f} GiB: {factor:.1f}x less", uniform, dense)  # fmt: skip
     if not claim.outcomes:
-        claim.missing.append("no dense and uniform runs with peak GPU memory at a dataset's full shape")
+        claim.missing.append("no dense and uniform runs with peak GPU memory at a dataset's full shape, at the same "
+                             "scale and settings")  # fmt: skip
+
+
+def _dense_for(claim: Claim, run: dict, runs: list[dict], settings: dict) -> dict | None:
+    """The dense run of `runs` to compare uniform `run` with: the one its "÷ dense" ratio takes (dense_reference),
+    of the same loss. Where dense runs of its data and card trained otherwise (another scale, epochs, batch size,
+    ...), the claim says that `run` is not compared, rather than compare runs that differ in more than the head."""
+    same_loss = [r for r in runs if r["loss"] == run["loss"]]
+    dense = dense_reference(run, same_loss, settings)
+    others = [r["run_ids"] for r in same_loss if r["setup"] == "dense" and not r["intermediate"]
+              and all(r[c] == run[c] for c in ("dataset", "features", "device"))]  # fmt: skip
+    if dense is None and others:
+        claim.missing.append(f"{run['dataset']} on {run['device']}: {_model(run)} (run {run['run_ids']}), no dense "
+                             f"run at its scale and settings (dense: run {', '.join(others)})")  # fmt: skip
+    return dense
 
 
 def _full_shape(run: dict) -> bool:
@@ -178,7 +195,7 @@ def _full_shape_gpu(runs: list[dict]) -> list[dict]:
     return [r for r in runs if _full_shape(r) and r["memory_gib"] and r["time_per_epoch_s"]]
 
 
-def c7_one_small_gpu(claim: Claim, runs: list[dict]) -> None:
+def c7_one_small_gpu(claim: Claim, runs: list[dict], settings: dict) -> None:
     for run in filter(on_one_device, _full_shape_gpu(runs)):  # a DDP run's peak is one of several GPUs'
         if run["setup"] == "uniform" and run["intermediate"] and run["dataset"].endswith("Amazon-670K"):
             gib = float(run["memory_gib"])
@@ -188,16 +205,17 @@ def c7_one_small_gpu(claim: Claim, runs: list[dict]) -> None:
         claim.missing.append("no one-GPU run of the uniform model with an intermediate layer at Amazon-670K's shape")
 
 
-def c8_epoch_time(claim: Claim, runs: list[dict]) -> None:
+def c8_epoch_time(claim: Claim, runs: list[dict], settings: dict) -> None:
     gpu = _full_shape_gpu(runs)
-    for dense in [r for r in gpu if r["setup"] == "dense" and not r["intermediate"]]:
-        for uniform in [r for r in gpu if r["setup"] == "uniform" and r["intermediate"] and r["loss"] == dense["loss"]
-                        and all(r[c] == dense[c] for c in ("dataset", "features", "device"))]:  # fmt: skip
+    for uniform in [r for r in gpu if r["setup"] == "uniform" and r["intermediate"]]:
+        dense = _dense_for(claim, uniform, gpu, settings)
+        if dense:
             a, b = float(uniform["time_per_epoch_s"]), float(dense["time_per_epoch_s"])
             claim.compare(a < b, f"{dense['dataset']} on {dense['device']}: {_model(uniform)} {a:.1f} s, dense "
                           f"{b:.1f} s per epoch: {b / a:.1f}x", uniform, dense)  # fmt: skip
     if not claim.outcomes:
-        claim.missing.append("no dense and uniform + intermediate runs timed on one GPU at a dataset's full shape")
+        claim.missing.append("no dense and uniform + intermediate runs timed on one GPU at a dataset's full shape, at "
+                             "the same scale and settings")  # fmt: skip
         return
     faster, datasets = _paper_faster_epochs()
     claim.note(f"the paper's Table 1: uniform + intermediate faster per epoch than dense on {faster} of its "
@@ -219,7 +237,7 @@ def _paper_faster_epochs() -> tuple[int, int]:
     return faster, len(pairs)
 
 
-def c5_loss(claim: Claim, runs: list[dict]) -> None:
+def c5_loss(claim: Claim, runs: list[dict], settings: dict) -> None:
     timed = [r for r in runs if _full_shape(r) and r["time_per_epoch_s"] and not r["device"].startswith("cpu")]
     for bce in [r for r in timed if r["loss"] == "bce"]:
         hinge = [r for r in timed if r["loss"] == "squared_hinge" and all(r[c] == bce[c] for c in (
@@ -257,7 +275,7 @@ def _paper_hinge_gains() -> tuple[float, float]:
     return min(gains), max(gains)
 
 
-def c6_more_capacity(claim: Claim, runs: list[dict]) -> None:
+def c6_more_capacity(claim: Claim, runs: list[dict], settings: dict) -> None:
     for dataset in REAL_DATA:
         uniform = [r for r in runs if r["dataset"] == dataset and r["setup"] == "uniform" and r["loss"] == "squared_hinge"]
         for width in _values(uniform, "intermediate") or []:
@@ -305,7 +323,8 @@ def _paper_raises() -> tuple[int, int]:
 
 
 
-# (check, (key, statement, how it is decided)): each check adds its comparisons to the claim it is given.
+# (check, (key, statement, how it is decided)): each check adds its comparisons to the claim it is given, from the
+# runs and their settings (export.shared_settings), which C4 and C8 pair a uniform and a dense run by.
 CLAIMS = (
     (c1_underfits, ("C1", "a sparse last layer without intermediate layer underfits",
      f"Holds where the sparse model's train P@1 is more than {TOLERANCE:g} point below the dense model's on the "
@@ -336,12 +355,13 @@ CLAIMS = (
 )  # fmt: skip
 
 
-def evaluate(runs: list[dict]) -> list[Claim]:
+def evaluate(runs: list[dict], settings: dict[str, dict[str, str]]) -> list[Claim]:
+    """The claims on runs.csv's `runs`; `settings`: export.shared_settings of the records they came from."""
     trained = _trained(runs)
     claims = []
     for check, (key, statement, how) in CLAIMS:
         claims.append(Claim(key, statement, how))
-        check(claims[-1], trained)
+        check(claims[-1], trained, settings)
     return claims
 
 
@@ -366,10 +386,11 @@ def markdown(claims: list[Claim]) -> str:
     return "\n".join(lines) + "\n" + "\n".join(c.markdown() for c in claims)
 
 
-def write_claims(runs: list[dict], path: Path) -> dict[str, str]:
-    """Write claims.md (the claims, then how the stand-ins order the models); returns each claim's verdict."""
+def write_claims(runs: list[dict], path: Path, settings: dict[str, dict[str, str]]) -> dict[str, str]:
+    """Write claims.md (the claims, then how the stand-ins order the models); returns each claim's verdict.
+    `settings`: as for `evaluate`."""
     from xmc_repro.report.standins import section
 
-    claims = evaluate(runs)
+    claims = evaluate(runs, settings)
     write_text(path, markdown(claims) + "\n" + section(runs), "the claims stage (`dvc repro`)")
     return {c.key: c.verdict for c in claims}
