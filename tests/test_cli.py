@@ -142,8 +142,9 @@ def test_a_sweep_of_20_runs_reads_well_in_mlflow_and_on_the_console(tmp_path):
         assert {"trainer/lr", "model/connectivity", "model/head", "loss/name", "seed"} <= set(params)
         assert not {"table", "scale"} & set(params)  # tags, when set
         # Nor the callbacks' wiring, which repeats model/dataset/trainer settings, nor class paths; but the
-        # callbacks in use and their own settings; the loss's function is one (a loss of one's own may share a name).
-        assert [k for k in params if k.endswith(("_target_", "_partial_"))] == ["loss/_target_"]
+        # callbacks in use and their own settings; the head's class and the loss's function are (a head or loss of
+        # one's own may share a name).
+        assert sorted(k for k in params if k.endswith(("_target_", "_partial_"))) == ["loss/_target_", "model/_target_"]
         assert {k for k in params if k.startswith("callbacks")} == {
             "callbacks", "callbacks/time/step_window", "callbacks/best/filename", "callbacks/best/monitor",
             "callbacks/best/mode", "callbacks/best/enable_version_counter"}

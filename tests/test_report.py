@@ -149,6 +149,34 @@ def test_a_head_of_ones_own_is_a_configuration_per_setting_of_its_own(store, tmp
         "smoke", table_rows("table4", "smoke", read_runs_csv(tmp_path / "runs.csv"), [], paper.load()))])
 
 
+def test_heads_of_ones_own_of_one_name_with_other_classes_are_other_configurations(store, tmp_path):
+    """Two head files of one's own named `lowrank` (--config-dir) building other classes: their runs were averaged as
+    seeds of one configuration (the class was no param). Records without it (committed ones) group as before, and
+    this project's heads, whose names fix their classes, are named as before."""
+    from omegaconf import OmegaConf
+
+    from xmc_repro.tracking import run_params
+
+    head = {"head": "lowrank", "_target_": "mypackage.heads.LowRankHead", "rank": 16}
+    params = run_params(OmegaConf.create({"model": head, "loss": {"_target_": "f", "_partial_": True, "name": "x"}}))
+    assert params["model/_target_"] == "mypackage.heads.LowRankHead" and params["model/rank"] == "16"
+
+    def run(head, target, seed, p1):
+        extra = {"model/_target_": target} if target else {}
+        log_run(store, {**params_of(BIBTEX, head, 32, 128, seed=seed), "model/rank": "16", **extra}, metrics_of(p1))
+
+    run("lowrank", None, 0, 10.0)  # records from before the param
+    run("lowrank", None, 1, 20.0)
+    run("lowrank", "mypackage.heads.LowRankHead", 0, 30.0)
+    run("lowrank", "theirs.heads.LowRankHead", 0, 40.0)
+    run("uniform", None, 0, 50.0)
+    run("uniform", "xmc_repro.sparse.UniformSparseLinear", 1, 60.0)
+    rows = export(tmp_path / "runs.csv", store)
+    assert {(r["setup"], r["seeds"], r["test_p1"]) for r in rows} == {
+        ("lowrank rank=16", "0;1", "15"), ("lowrank _target_=mypackage.heads.LowRankHead rank=16", "0", "30"),
+        ("lowrank _target_=theirs.heads.LowRankHead rank=16", "0", "40"), ("uniform", "0;1", "55")}
+
+
 def test_a_loss_of_ones_own_is_a_configuration_per_setting_of_its_own(store, tmp_path):
     """A sweep `loss=margin_hinge loss.margin=1.0,2.0` was one configuration: the later run replaced the other as its
     rerun. The built-in losses have no settings of their own (old records also carry loss/_target_, _partial_)."""
@@ -174,7 +202,7 @@ def test_losses_of_one_name_with_other_functions_are_other_configurations(store,
 
     loss = {"_target_": "mypackage.losses.hinge", "_partial_": True, "name": "hinge"}
     params = run_params(OmegaConf.create({"model": {"head": "dense", "_target_": "torch.nn.Linear"}, "loss": loss}))
-    assert params["loss/_target_"] == "mypackage.losses.hinge" and "model/_target_" not in params
+    assert params["loss/_target_"] == "mypackage.losses.hinge"
     assert "loss/_partial_" not in params
 
     def run(name, target, seed, p1):

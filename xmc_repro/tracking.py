@@ -57,6 +57,7 @@ _CONTENTION = ("database is locked", "database table is locked", "database schem
                "unique constraint failed: datasets.")
 _jitter = random.Random()  # its own generator: retries must not move the global RNG that training uses
 TAG_KEYS = ("table", "scale")  # config keys recorded as tags (what the report filters on), not as params
+LOGGED_TARGETS = ("model/_target_", "loss/_target_")  # the classes and functions that are params (`run_params`)
 
 
 def run_params(cfg: DictConfig) -> dict[str, str]:
@@ -64,15 +65,15 @@ def run_params(cfg: DictConfig) -> dict[str, str]:
 
     Not: the callbacks' wiring (their values are model/dataset/trainer settings, logged there: judged from the
     callback's file, since a resumed run's stored config holds them resolved), the classes objects are built from
-    (but the loss's function, `loss/_target_`: a loss file of one's own may share another's `name`, and the report
-    tells the two apart by it), the names derived from other settings, and `table`/`scale` (tags). The callbacks'
-    own settings are params (`callbacks/best/monitor`), and `callbacks` names those in use, in order
-    (`~callbacks.early_stop` shows there).
+    (but the head's class and the loss's function, `LOGGED_TARGETS`: a head or loss file of one's own may share
+    another's `head` or `name`, and the report tells the two apart by them), the names derived from other settings,
+    and `table`/`scale` (tags). The callbacks' own settings are params (`callbacks/best/monitor`), and `callbacks`
+    names those in use, in order (`~callbacks.early_stop` shows there).
     """
     wired = {f"callbacks/{name}/{key}" for name in cfg.get("callbacks") or {} for key in callback_wiring(name)}
     params = {key: value for key, value in flatten(cfg).items()
               if key not in TAG_KEYS and key not in wired and key not in ("model/label", "model/description")
-              and (key == "loss/_target_" or key.rsplit("/", 1)[-1] not in ("_target_", "_partial_"))}
+              and (key in LOGGED_TARGETS or key.rsplit("/", 1)[-1] not in ("_target_", "_partial_"))}
     params["callbacks"] = ",".join(cfg.get("callbacks") or {})
     return params
 

@@ -65,8 +65,9 @@ HEAD_SETTINGS = (
 )  # fmt: skip
 SHARED_SETTINGS = tuple(key for key in SETTINGS if key not in HEAD_SETTINGS)
 NO_SCALE = "none"  # a run tagged with a table but launched without a scale
-# The heads the columns above describe; a head of one's own (README, "A new last layer") is told apart by its own
-# settings, its `model/*` params other than those every head has (the keys of conf/model_common.yaml), in `setup`.
+# The heads the columns above describe; a head of one's own (README, "A new last layer") is told apart by its class
+# (`model/_target_`, where logged) and its own settings, its `model/*` params other than those every head has (the
+# keys of conf/model_common.yaml), in `setup`.
 PAPER_HEADS = ("dense", "uniform", "unstructured", "bottleneck", "mach")
 COMMON_MODEL_SETTINGS = tuple(yaml.safe_load((resource_dir("conf") / "model_common.yaml").read_text()))
 # This project's losses: name -> function (conf/loss/*.yaml). A loss of that name with another function (a file of
@@ -91,7 +92,7 @@ def configuration(params: dict, tags: dict) -> dict[str, str]:
     """
     setup = _value(params, "model/head")
     if setup and setup not in PAPER_HEADS:
-        setup = " ".join([setup, *(f"{key}={value}" for key, value in _own_settings(params))])
+        setup = " ".join([setup, *_head_class(params), *(f"{key}={value}" for key, value in _own_settings(params))])
     return {
         "table": tags.get("table") or "",
         "scale": tags.get("scale") or NO_SCALE,
@@ -110,6 +111,15 @@ def configuration(params: dict, tags: dict) -> dict[str, str]:
         "precision": precision(_value(params, "trainer/precision")),
         "settings": "",  # see `split_by_settings`
     }
+
+
+def _head_class(params: dict) -> list[str]:
+    """`_target_=<class>` where the run logged the class of its head of one's own: two config files of one `head`
+    name (in other folders) may build other classes. This project's heads need no such mark: a config naming one of
+    them must build its class (validation). A record without the param (runs from before `model/_target_` was one)
+    is told apart by the name and settings alone, as then."""
+    target = _value(params, "model/_target_")
+    return [f"_target_={target}"] if target else []
 
 
 def _loss_function(params: dict) -> list[str]:
