@@ -874,6 +874,20 @@ def test_the_papers_4_gb_and_faster_epoch_claims_fail_on_runs_that_contradict_th
     assert "uniform 32 + 32768 intermediate 4.20 GiB" in claims["C7"].markdown()
 
 
+def test_the_loss_claims_epoch_times_pair_runs_at_one_scale_and_the_same_settings(store, tmp_path):
+    """C5 compared BCE's epoch with squared hinge's on the same data, model and card, whatever their scale or
+    settings: a BCE run at ten times the learning rate decided it."""
+    claim_runs(store, tmp_path, gpu_bce=False)
+    log_run(store, {**params_of(("Synthetic-Amazon-670K", "synthetic"), "uniform", 32, 32768, "bce"),
+                    "trainer/lr": "0.01"}, metrics_of(0.1, memory=1.2, seconds=1.0), device=H200, scale="paper")
+    claims = evaluated(export(tmp_path / "runs.csv", store), store)
+    assert "time: no GPU runs of both losses" in claims["C5"].markdown()
+    log_run(store, params_of(("Synthetic-Amazon-670K", "synthetic"), "uniform", 32, 32768, "bce"),
+            metrics_of(0.1, memory=1.2, seconds=3.0), device=H200, scale="paper", table="table4")
+    claims = evaluated(export(tmp_path / "runs.csv", store), store)
+    assert "1.5 s vs 3.0 s per epoch" in claims["C5"].markdown() and "1.0 s" not in claims["C5"].markdown()
+
+
 def test_a_stand_in_run_without_the_smoke_scale_tag_is_no_670k_label_run(store, tmp_path):
     """A smoke stand-in (Smoke-Amazon-670K: 3,278 labels) launched without scale=smoke is tagged scale "none"; C7
     and C8 took it for a run at Amazon-670K's shape."""

@@ -16,7 +16,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from xmc_repro.report.atomic import write_text
-from xmc_repro.report.export import on_one_device
+from xmc_repro.report.export import on_one_device, same_settings
 from xmc_repro.report.identity import DEFAULT_SETTINGS_TABLES, SMOKE_PREFIX
 from xmc_repro.report.render import dense_reference
 
@@ -241,7 +241,8 @@ def c5_loss(claim: Claim, runs: list[dict], settings: dict) -> None:
     timed = [r for r in runs if _full_shape(r) and r["time_per_epoch_s"] and not r["device"].startswith("cpu")]
     for bce in [r for r in timed if r["loss"] == "bce"]:
         hinge = [r for r in timed if r["loss"] == "squared_hinge" and all(r[c] == bce[c] for c in (
-            "dataset", "features", "setup", "connectivity", "intermediate", "device"))]  # fmt: skip
+            "dataset", "features", "setup", "connectivity", "intermediate", "device", "scale"))
+            and same_settings(r, bce, settings)]  # fmt: skip
         for other in hinge[:1]:
             a, b = float(other["time_per_epoch_s"]), float(bce["time_per_epoch_s"])
             claim.compare(a < b, f"{bce['dataset']} on {bce['device']}: {a:.1f} s vs {b:.1f} s per epoch", other, bce)
@@ -337,9 +338,9 @@ CLAIMS = (
      "the same intermediate layer (the paper's comparison; without one, shown but not counted).")),
     (c4_memory, ("C4", "a uniform last layer needs a small fraction of the dense layer's GPU memory (3-10x less)",
      f"Holds where dense's peak GPU memory is at least {MEMORY_FACTOR:g} times the uniform model's, on the same "
-     "card and data shape.")),
+     "card, data shape, scale and settings.")),
     (c5_loss, ("C5", "squared hinge trains faster per epoch than binary cross-entropy and reaches at least its P@k",
-     "Time: squared hinge's time per epoch below BCE's on the same GPU (full-shape runs). P@k: squared hinge's "
+     "Time: squared hinge's time per epoch below BCE's on the same GPU, model, scale and settings (full-shape runs). P@k: squared hinge's "
      f"test P@1, P@3, P@5 at most {TOLERANCE:g} point below BCE's (real data).")),
     (c6_more_capacity, ("C6", "more connections, or a larger intermediate layer, raise P@k",
      f"Holds where the larger model's test P@1 and P@3 are more than {TOLERANCE:g} point above the smaller's (same "
@@ -350,7 +351,7 @@ CLAIMS = (
      "allocator's cache come on top).")),
     (c8_epoch_time, ("C8", "with an intermediate layer, the uniform model trains an epoch faster than the dense "
      "last layer", "Holds where its time per epoch is below the dense model's (without intermediate layer, as in "
-     "the paper's Table 1) on the same GPU and data shape. The ratio depends on the epoch's length, which "
+     "the paper's Table 1) on the same GPU, data shape, scale and settings. The ratio depends on the epoch's length, which "
      "evaluation weighs on more in a short one.")),
 )  # fmt: skip
 
