@@ -105,8 +105,8 @@ def shared_settings(records: list[dict]) -> dict[str, dict[str, str]]:
 
 def same_settings(a: dict, b: dict, settings: dict[str, dict[str, str]]) -> bool:
     """Whether runs.csv rows `a` and `b` (of two heads) trained alike but for the heads: the same precision and
-    `shared_settings`, where a setting a run predates differs from none (as in `summarize`). Not where a row's runs
-    are not in `settings`."""
+    `shared_settings`. A setting whose value one side's runs do not tell (they predate it: '') is not compared, so
+    an older dense run still serves newer runs. Not where a row's runs are not in `settings`."""
     if a["precision"] != b["precision"]:
         return False
     sides = [[settings.get(run_id) for run_id in row["run_ids"].split(";")] for row in (a, b)]
