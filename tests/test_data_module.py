@@ -220,6 +220,13 @@ def test_npy_wrong_shape_or_dtype(tmp_path, array, message):
     assert str(info.value).startswith(str(tmp_path / "train-slice.npy"))
 
 
+def test_npy_without_features_is_refused(tmp_path):
+    """A (points, 0) array trained a model over no inputs (its biases alone) and reported its P@k."""
+    np.save(tmp_path / "x.npy", np.zeros((5, 0), np.float32))
+    with pytest.raises(DataError, match=r"x\.npy: shape \(5, 0\), no features per point"):
+        load_npy_features(tmp_path / "x.npy", rows=5)
+
+
 @pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
 def test_npy_nonfinite(tmp_path, monkeypatch, bad):
     import xmc_repro.data.features as features

@@ -38,6 +38,9 @@ def load_npy_features(path: str | Path, rows: int | None = None, dim: int | None
         )
     if x.ndim != 2:
         raise DataError(f"{path}: shape {x.shape}, expected a 2-D (points, features) array")
+    if x.shape[1] == 0:  # a model over no inputs would train its biases only, and report P@k as if it had learnt
+        raise DataError(f"{path}: shape {x.shape}, no features per point; save the embeddings themselves, a "
+                        "(points, features) array with features >= 1")
     if rows is not None and x.shape[0] != rows:
         raise DataError(
             f"{path}: {x.shape[0]} rows but its labels file has {rows} points; the features and labels must list "
