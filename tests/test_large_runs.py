@@ -52,6 +52,19 @@ def test_a_model_whose_training_state_exceeds_the_memory_is_refused_naming_the_n
     assert training_bytes(_model("lowrank"), *AMAZON_BOW, on_cpu=True) is None
 
 
+def test_the_dense_input_batch_counts_toward_the_need(monkeypatch):
+    """Bag-of-words batches are made dense: a header declaring 2e9 features passed the check with a uniform head (a
+    few parameters) and was OOM-killed at its first batch of 32 x 2e9 float32, its MLflow run left RUNNING."""
+    with pytest.raises(ConfigError, match=r"needs at least 476\.8 GiB .* and 2 copies of a dense input batch of 32 x "
+                                          r"2,000,000,000\), but 16\.0 GiB is available; lower trainer\.batch_size "
+                                          r"and trainer\.eval_batch_size \(or check the data's feature count\)"):
+        check_fits(_model(), 2_000_000_000, 3, on_cpu=True, available=16 * GIB, batch_rows=32)
+    check_fits(_model(), *AMAZON_BOW, on_cpu=True, available=GIB, batch_rows=32)  # 35 MB of batch: fits
+    # train.check_memory takes the larger of the training and evaluation batches, at most a split's points
+    with pytest.raises(ConfigError, match=r"dense input batch of 100 x 768"):
+        _check_memory(monkeypatch, int(7.67 * GIB), ["trainer.eval_batch_size=100"])
+
+
 def test_the_estimate_is_the_parameters_four_times():
     """The pipeline's CPU Adam is fused: its step adds the two moments and no parameter-sized temporaries, which the
     estimate counted for the unfused step (8.3 GiB of 25.3 at 1.1e9 parameters: models that fit were refused). A
@@ -146,7 +159,8 @@ def _check_memory(monkeypatch, available, overrides=(), rank=None):
         monkeypatch.setenv("LOCAL_RANK", str(rank))
     monkeypatch.setattr(host_memory, "available_bytes", lambda: available)
     cfg = _compose(["model=dense", "trainer.accelerator=cpu", *overrides])
-    train.check_memory(cfg, SimpleNamespace(num_features=768, num_labels=670_091))
+    train.check_memory(cfg, SimpleNamespace(num_features=768, num_labels=670_091, num_train_points=490_449,
+                                            test_split=SimpleNamespace(num_points=153_025)))
 
 
 def test_only_rank_0_checks_the_memory_for_every_rank(monkeypatch):

@@ -206,7 +206,10 @@ def check_memory(cfg: DictConfig, dm) -> None:
     devices = cfg.trainer.devices
     processes = int(devices) if on_cpu and isinstance(devices, int) else 1  # CPU DDP: every rank holds a copy
     half = str(cfg.trainer.get("precision", "32-true")) in ("bf16-true", "16-true")  # 16-bit weights and Adam state
-    check_fits(cfg.model, int(dm.num_features), int(dm.num_labels), on_cpu, processes, value_bytes=2 if half else 4)
+    train, test = dm.num_train_points, dm.test_split.num_points
+    rows = max(min(int(cfg.trainer.batch_size), train), min(int(cfg.trainer.eval_batch_size), max(train, test)))
+    check_fits(cfg.model, int(dm.num_features), int(dm.num_labels), on_cpu, processes, value_bytes=2 if half else 4,
+               batch_rows=rows)
 
 
 def check_train_batches(cfg: DictConfig, dm) -> None:
