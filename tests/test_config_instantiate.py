@@ -291,3 +291,16 @@ def test_a_run_started_before_the_checks_with_a_key_they_refuse_can_still_be_res
     stored.loss._target_ = f"{__name__}.margin_hinj"
     with pytest.raises(ConfigError, match=r"^loss._target_=.*margin_hinj cannot be imported"):
         check_targets(stored)
+
+
+@pytest.mark.parametrize("overrides, line", [
+    # an npy dataset's embeddings were left as they were, while MLflow recorded dataset/normalize=l2
+    (["dataset=amazon670k_slice", "+dataset.normalize=l2"],
+     r"^dataset.normalize is read only for dataset.kind=xc, and this dataset is kind=npy, so it would be ignored"),
+    (["dataset=bibtex", "+dataset.feature_dim=512"], r"^dataset.feature_dim is read only for dataset.kind=npy"),
+    (["+dataset.train_file=x.txt"], r"^dataset.train_file is read only for dataset.kind=xc, and this dataset is "
+                                    r"kind=synthetic"),
+])
+def test_a_dataset_setting_of_another_kind_is_refused(overrides, line):
+    with pytest.raises(ConfigError, match=line):
+        validate(_compose(overrides))

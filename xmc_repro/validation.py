@@ -46,6 +46,13 @@ ACCELERATORS = ("auto", "cpu", "gpu", "cuda", "mps", "tpu")
 STRATEGIES = ("auto", "ddp", "ddp_find_unused_parameters_false", "ddp_find_unused_parameters_true", "single_device")
 DATASET_KINDS = ("synthetic", "xc", "npy")  # dataset.kind: generated, one XC text file per split, the authors' layout
 NORMALIZATIONS = ("tfidf", "l2", "none")  # dataset.normalize of bag-of-words (XC text) features
+# Settings that one kind's reader alone takes (xmc_repro.data.sources, .synthetic): set on another kind, ignored.
+KIND_SETTINGS = {
+    "xc": ("train_file", "test_file", "normalize"),
+    "npy": ("train_labels", "test_labels", "train_features", "test_features", "feature_dim"),
+    "synthetic": ("num_train", "num_test", "num_features", "num_labels", "latent_dim", "labels_per_point",
+                  "zipf_exponent", "sign_flip", "latent_noise", "feature_noise", "data_seed", "chunk_size"),
+}
 
 
 def authors_unstructured_rewire_fraction(intermediate) -> float:
@@ -340,6 +347,15 @@ def _dataset_keys(cfg: DictConfig) -> None:
             hint = f"did you mean dataset.{match}?" if match else "python -m xmc_repro --cfg job shows a dataset's keys"
             raise ConfigError(f"dataset.{key} is not a setting any dataset reader takes ({hint}), so it would be "
                               "ignored; fix or remove it in the dataset's file (conf/dataset/<file>.yaml)")
+    # `normalize: l2` in an npy dataset's file left its embeddings as they were, while MLflow recorded it.
+    kind = cfg.dataset.get("kind")
+    if kind in KIND_SETTINGS:
+        for other, keys in KIND_SETTINGS.items():
+            for key in keys:
+                if other != kind and key in cfg.dataset and key not in KIND_SETTINGS[kind]:
+                    raise ConfigError(f"dataset.{key} is read only for dataset.kind={other}, and this dataset is "
+                                      f"kind={kind}, so it would be ignored; remove it from the dataset's file "
+                                      "(conf/dataset/<file>.yaml) or its override")
     fraction = OmegaConf.select(cfg, "model.rewire_fraction", default=0)
     rewires = isinstance(fraction, (int, float)) and fraction > 0 and "rewiring" in (cfg.get("callbacks") or {})
     if rewires and "rewire_every_n_steps" not in cfg.dataset and not cfg.dataset.get("rewire_every_epoch"):
