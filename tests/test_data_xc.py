@@ -113,6 +113,7 @@ BAD = [
     ("", "1: empty file"),
     ("3 4\n", "1: malformed header"),
     ("x 4 5\n", "1: malformed header"),
+    ("2 4 5\r0 1:1\r1 0:1\r", "1: lines end in a bare carriage return (CR), not a newline; convert them"),
     ("2 4 5\n0 1:1\n1;2 0:1\n", ":3: label '1;2'"),
     ("2 4 5\n0 1:1\n1,,2 0:1\n", ":3: label ''"),
     ("2 4 5\n0 1:1\n1 0:1 2\n", ":3: entry '2' is not 'index:value'"),
@@ -139,6 +140,15 @@ def test_bad_input_names_file_and_line(tmp_path, text, message):
         read_xc(path)
     msg = str(info.value)
     assert msg.startswith(str(path)) and message in msg and "\n" not in msg, msg
+
+
+def test_utf16_file_is_named_as_such(tmp_path):
+    """Was 'malformed header' followed by the header's bytes with NULs between them."""
+    path = tmp_path / "u.txt"
+    path.write_bytes("2 4 5\n0 1:1\n1 0:1\n".encode("utf-16"))
+    for read in (read_xc, read_labels):
+        with pytest.raises(DataError, match=r"u\.txt: UTF-16 text; save it as UTF-8 or ASCII"):
+            read(path)
 
 
 def test_bad_line_deep_in_a_large_file(tmp_path, monkeypatch):

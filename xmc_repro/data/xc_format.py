@@ -10,7 +10,8 @@ Two layouts share one parser:
 Files are read in chunks of whole lines and every chunk is parsed with vectorised numpy (no Python
 object per token), so time and memory are linear in the file size. A chunk that fails a check is
 re-read line by line to name the offending ``path:line`` (lines are 1-based; the header is line 1).
-A UTF-8 byte-order mark and Windows line ends (CRLF) are read as if absent.
+A UTF-8 byte-order mark and Windows line ends (CRLF) are read as if absent; UTF-16 text and classic Mac line
+ends (a bare CR) are refused, naming the conversion.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ _SP, _NL, _COMMA, _COLON = (ord(c) for c in " \n,:")
 _DIGIT_LO, _DIGIT_HI = ord("0"), ord("9")
 _BOM = b"\xef\xbb\xbf"
 _GZIP = b"\x1f\x8b"
+_UTF16 = (b"\xff\xfe", b"\xfe\xff")  # its byte-order marks
 
 
 @dataclass
@@ -60,6 +62,8 @@ def first_line(path: Path) -> bytes:
         raise DataError(f"{path}: cannot be read ({error.strerror or error}); make it readable (e.g. chmod a+r)") from None
     if first.startswith(_GZIP):
         raise DataError(f"{path}: gzip-compressed; decompress it first (gunzip -k {path}) and use the .txt file")
+    if first.startswith(_UTF16):  # every other byte NUL: read as one malformed header of garbage
+        raise DataError(f"{path}: UTF-16 text; save it as UTF-8 or ASCII (iconv -f UTF-16 -t UTF-8 {path} > NEW)")
     return first.removeprefix(_BOM)
 
 
@@ -72,6 +76,9 @@ def read_header(path: Path, fields: int) -> tuple[int, ...]:
     first = first_line(path)
     if not first.strip():
         raise DataError(f"{path}:1: empty file (or empty header line); expected a header of {fields} numbers")
+    if b"\r" in first.rstrip(b"\r\n"):  # classic Mac line ends: the whole file reads as its first line
+        raise DataError(f"{path}:1: lines end in a bare carriage return (CR), not a newline; convert them "
+                        f"(tr '\\r' '\\n' < {path} > NEW)")
     parts = first.split()
     names = "points features labels" if fields == 3 else "rows columns"
     if len(parts) != fields or not all(p.isdigit() for p in parts):
