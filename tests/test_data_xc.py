@@ -320,6 +320,23 @@ def test_labels_out_of_order_are_sorted_and_named_in_one_warning(tmp_path):
     assert train.labels.to_lists() == [[1, 3, 5], [0, 2], [4]] and test.labels.to_lists() == [[1, 2], [0, 3, 5]]
 
 
+def test_repeated_feature_indices_are_summed_and_named_in_one_warning(tmp_path):
+    """Summed without a word before: a repeat is often a faulty export."""
+    from xmc_repro.data.sources import load_splits
+
+    (tmp_path / "train.txt").write_text("3 4 6\n1 0:1 2:0\n0 1:1 3:2 1:0.5\n4 2:1 2:-1\n")
+    (tmp_path / "test.txt").write_text("1 4 6\n2 0:1 0:0\n")
+    cfg = {"kind": "xc", "data_dir": str(tmp_path), "train_file": "train.txt", "test_file": "test.txt",
+           "normalize": "none"}
+    with pytest.warns(UserWarning) as caught:
+        train, test = load_splits(cfg)
+    assert [str(w.message) for w in caught] == [
+        f"{tmp_path / 'train.txt'}:3: 2 lines list a feature index more than once; the values of a repeated index "
+        "are summed", f"{tmp_path / 'test.txt'}:2: 1 line lists a feature index more than once; the values of a "
+        "repeated index are summed"]
+    np.testing.assert_array_equal(train.features.toarray(), [[1, 0, 0, 0], [0, 1.5, 0, 2], [0, 0, 0, 0]])
+
+
 def test_blank_lines_read_as_points_are_named_in_one_warning(tmp_path):
     """A stray blank line where the header's count allows a point is read as a point without labels or features."""
     from xmc_repro.data.sources import load_splits

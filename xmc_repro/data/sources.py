@@ -133,6 +133,7 @@ def _xc(cfg) -> tuple[Split, Split]:
     for data in (train, test):
         _note_label_order(data.labels, data.path)
         _note_blank_points(data)
+        _note_repeated_features(data)
     _check_pair(train.labels, test.labels, train.num_features, test.num_features, paths)
     if normalize == "tfidf":  # idf from the training split only: nothing is learnt from the test points
         idf = inverse_document_frequency(train.features)
@@ -200,6 +201,16 @@ def _note_blank_points(data) -> None:
         plural = "s" if count > 1 else ""
         _data_warning(f"{data.path}:{data.blank_lines[0]}: {count:,} blank line{plural} read as point{plural} without "
                       "labels or features; if stray, remove them and fix the header's point count")
+
+
+def _note_repeated_features(data) -> None:
+    """Warn where a line lists a feature index twice: its values are summed (as scipy sums repeated entries, and
+    as term counts add up), but such a file is often a faulty export, and the summed value is not what it lists."""
+    lines = data.repeated_feature_lines
+    if lines is not None and len(lines):
+        lines_list = f"{len(lines):,} lines list" if len(lines) > 1 else "1 line lists"
+        _data_warning(f"{data.path}:{lines[0]}: {lines_list} a feature index more than once; the values of a "
+                      "repeated index are summed")
 
 
 def _data_warning(message: str) -> None:

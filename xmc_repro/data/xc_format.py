@@ -43,6 +43,7 @@ class XCData:
     num_features: int
     path: Path
     blank_lines: np.ndarray | None = None  # file lines (1-based) of points without labels or features
+    repeated_feature_lines: np.ndarray | None = None  # file lines (1-based) listing a feature index twice (summed)
 
 
 # --------------------------------------------------------------------------------------------- reading
@@ -107,7 +108,8 @@ def read_xc(path: str | Path, labels_only: bool = False) -> XCData:
     labels = LabelCSR(rows.label_ptr, rows.label_idx, num_labels).deduplicated()
     features = None if labels_only else rows.feature_matrix(num_features)
     blank_lines = None if labels_only else np.flatnonzero(rows.blank) + 2  # a labels-only blank: a point without labels
-    return XCData(features, labels, num_features, path, blank_lines)
+    repeated = None if labels_only else rows.repeated_rows + 2
+    return XCData(features, labels, num_features, path, blank_lines, repeated)
 
 
 def _read_matrix_rows(path: Path) -> tuple[_Rows, int]:
@@ -170,6 +172,7 @@ class _Rows:
         n = len(self.feat_ptr) - 1
         m = sp.csr_matrix((self.feat_val_all, self.feat_idx_all, self.feat_ptr), shape=(n, num_cols))
         m.sum_duplicates()  # also sorts the indices of each row
+        self.repeated_rows = np.flatnonzero(np.diff(m.indptr) < np.diff(self.feat_ptr))  # rows that lost entries
         return m
 
 
