@@ -47,3 +47,18 @@ def quiet_trainer(tmp_path, **kwargs):
     settings = dict(logger=False, enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
                     num_sanity_val_steps=0, default_root_dir=tmp_path)
     return pl.Trainer(**{**settings, **kwargs})
+
+
+@pytest.fixture(scope="session")
+def finished_run(tmp_path_factory):
+    """(directory, run id, the command's CompletedProcess) of one tiny real run through the command line
+    (test_reliability_common.TINY, one epoch), made once: the tests that read its output, its store or its
+    checkpoint, or copy its folder to change it, share it (each run costs an interpreter start, ~10 s)."""
+    from test_reliability_common import TINY, cli, copy_store, make_store, runs
+
+    directory = tmp_path_factory.mktemp("finished")
+    copy_store(make_store(tmp_path_factory.mktemp("store")), directory)
+    result = cli(directory, [*TINY, "trainer.max_epochs=1"])
+    assert result.returncode == 0, result.stderr[-3000:]
+    (run,) = runs(directory)
+    return directory, run.info.run_id, result

@@ -121,8 +121,8 @@ def test_through_the_command_line_a_model_too_large_is_one_line_and_a_failed_run
     assert run.info.status == "FAILED" and run.data.tags["error"] == line.removeprefix("error: ")
 
 
-def test_the_final_evaluations_and_the_data_loading_say_what_they_are_doing(tmp_path):
-    result = cli(tmp_path, [*TINY, "trainer.max_epochs=1"], timeout=240)
+def test_the_final_evaluations_and_the_data_loading_say_what_they_are_doing(finished_run):
+    *_, result = finished_run  # TINY, one epoch
     assert result.returncode == 0, result.stderr[-2000:]
     lines = result.stdout.splitlines()
     assert lines[0] == "data: Synthetic, loading ..."

@@ -12,21 +12,17 @@ from pathlib import Path
 import pytest
 import torch
 
-from test_reliability_common import TINY, cli, copy_store, make_store, runs, stderr_lines, tiny_config
+from test_reliability_common import cli, copy_store, make_store, runs, stderr_lines, tiny_config
 from test_reliability_common import no_run_left_running  # noqa: F401  (autouse)
 from xmc_repro import checkpoints
 from xmc_repro.errors import ConfigError, StorageError
 
 
 @pytest.fixture(scope="module")
-def finished(tmp_path_factory):
-    """(directory, run id) of a tiny finished run with its last.ckpt."""
-    directory = tmp_path_factory.mktemp("finished")
-    copy_store(make_store(tmp_path_factory.mktemp("store")), directory)
-    result = cli(directory, [*TINY, "trainer.max_epochs=1"])
-    assert result.returncode == 0, result.stderr[-3000:]
-    (run,) = runs(directory)
-    return directory, run.info.run_id
+def finished(finished_run):
+    """(directory, run id) of a tiny finished run with its last.ckpt (conftest's, shared with other files)."""
+    directory, run_id, _ = finished_run
+    return directory, run_id
 
 
 def _crashed_copy(finished, tmp_path: Path) -> tuple[Path, str]:

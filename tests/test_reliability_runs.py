@@ -29,8 +29,19 @@ def store(tmp_path_factory) -> Path:
     return make_store(tmp_path_factory.mktemp("store"))
 
 
-def _failed_run_with_checkpoint(directory: Path, store: Path) -> str:
-    """A real tiny run, then marked FAILED as if it had crashed: resumable."""
+def _failed_run_with_checkpoint(directory: Path, finished_run) -> str:
+    """A copy of a real tiny run (conftest's, trained once), then marked FAILED as if it had crashed: resumable."""
+    from mlflow.tracking import MlflowClient
+
+    source, run_id, _ = finished_run
+    shutil.copytree(source, directory, dirs_exist_ok=True)
+    MlflowClient(f"sqlite:///{directory / 'mlruns.db'}").set_terminated(run_id, "FAILED")
+    return run_id
+
+
+def _trained_failed_run_with_checkpoint(directory: Path, store: Path) -> str:
+    """A real tiny run of its own, then marked FAILED as if it had crashed: resumable, and its checkpoint names
+    this folder (a resume from a copy elsewhere finds the run's folder through it)."""
     from mlflow.tracking import MlflowClient
 
     copy_store(store, directory)
@@ -42,10 +53,10 @@ def _failed_run_with_checkpoint(directory: Path, store: Path) -> str:
 
 
 @pytest.mark.parametrize("resume", ["id", "copy"])
-def test_second_writer_of_a_run_is_refused(tmp_path, store, resume):
+def test_second_writer_of_a_run_is_refused(tmp_path, finished_run, resume):
     """Also when the second resumes from a copy of the run's checkpoint (`resume=backup/last.ckpt`): that locked the
     copy's folder only, and both processes wrote the run (its metrics twice)."""
-    run_id = _failed_run_with_checkpoint(tmp_path, store)
+    run_id = _failed_run_with_checkpoint(tmp_path, finished_run)
     given = run_id
     if resume == "copy":
         (tmp_path / "backup").mkdir()
@@ -71,7 +82,7 @@ def test_second_writer_from_another_folder_is_refused(tmp_path, store):
     (its metric history twice, steps interleaved). The tag writer_lock names the live writer's lock."""
     from mlflow.tracking import MlflowClient
 
-    run_id = _failed_run_with_checkpoint(tmp_path, store)
+    run_id = _trained_failed_run_with_checkpoint(tmp_path, store)
     client = MlflowClient(f"sqlite:///{tmp_path / 'mlruns.db'}")
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
