@@ -258,19 +258,34 @@ def test_the_best_weights_are_restored_only_when_early_stopping_ended_the_run():
     assert restores_best("always", ran_out) and restores_best("always", None)
 
 
+def _tested_run(directory, settings, **_):
+    from test_reliability_common import TINY as CLI_TINY
+    from test_reliability_common import cli, copy_store, make_store
+
+    copy_store(make_store(directory / "store"), directory)
+    # seed 1 at this learning rate: val P@3 peaks before the third and last epoch
+    return directory, cli(directory, [*CLI_TINY, "trainer.max_epochs=3", "trainer.lr=0.03", "seed=1", *settings])
+
+
+@pytest.fixture(scope="module")
+def tested_runs(request, tmp_path_factory):
+    """The runs of the test below, side by side: (directory, finished command) per case id."""
+    from test_reliability_common import together
+
+    return together(request, tmp_path_factory, "test_a_run_is_tested_with_the_weights_the_authors_would_test",
+                    _tested_run)
+
+
 @pytest.mark.parametrize("settings,tested", [
     ([], "last epoch"),  # max_epochs ends the run: tested as the last epoch leaves it
     (["trainer.early_stop_patience=1"], "best epoch"),  # early stopping ends it: the best epoch's weights
     (["trainer.restore_best=always"], "best epoch"),
 ])
-def test_a_run_is_tested_with_the_weights_the_authors_would_test(tmp_path, settings, tested):
+def test_a_run_is_tested_with_the_weights_the_authors_would_test(tested_runs, request, settings, tested):
     from mlflow.tracking import MlflowClient
-    from test_reliability_common import TINY as CLI_TINY
-    from test_reliability_common import cli, copy_store, make_store, runs, tracking_uri
+    from test_reliability_common import runs, tracking_uri
 
-    copy_store(make_store(tmp_path / "store"), tmp_path)
-    # seed 1 at this learning rate: val P@3 peaks before the third and last epoch
-    result = cli(tmp_path, [*CLI_TINY, "trainer.max_epochs=3", "trainer.lr=0.03", "seed=1", *settings])
+    tmp_path, result = tested_runs[request.node.callspec.id]
     assert result.returncode == 0, result.stderr[-2000:]
     (run,) = runs(tmp_path)
     history = [m.value for m in MlflowClient(tracking_uri(tmp_path)).get_metric_history(run.info.run_id, "val/p_at_3")]

@@ -10,6 +10,7 @@ import os
 import shutil
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -71,6 +72,19 @@ def start(cwd: Path, args, env: dict | None = None) -> subprocess.Popen:
     _USED.add(Path(cwd))
     return subprocess.Popen(command(cwd, args), cwd=cwd, env=cli_env(env), stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
+
+
+def together(request, tmp_path_factory, test_name: str, run_case, workers: int = 3) -> dict:
+    """For a module fixture: ``run_case(directory, **params)`` of every selected case of this module's parametrised
+    test ``test_name``, ``workers`` at a time, each in a new directory. A case that starts the command line spends
+    its seconds mostly importing torch, Lightning and MLflow on one core: side by side they take little longer than
+    one. Returns {the case's id (``request.node.callspec.id`` in the test): what run_case returned}."""
+    cases = {item.callspec.id: item.callspec.params for item in request.session.items
+             if item.originalname == test_name and item.module is request.module}
+    directories = {case: tmp_path_factory.mktemp("case") for case in cases}
+    with ThreadPoolExecutor(workers) as pool:
+        futures = {case: pool.submit(run_case, directories[case], **params) for case, params in cases.items()}
+    return {case: future.result() for case, future in futures.items()}
 
 
 def stderr_lines(stderr: str) -> list[str]:

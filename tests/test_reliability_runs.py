@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from test_reliability_common import (
-    TINY, cli, cli_env, command, copy_store, make_store, runs, start, stderr_lines, tiny_config,
+    TINY, cli, cli_env, command, copy_store, make_store, runs, start, stderr_lines, tiny_config, together,
 )
 from test_reliability_common import _USED
 from test_reliability_common import no_run_left_running  # noqa: F401  (autouse)
@@ -242,19 +242,32 @@ main()
 """
 
 
+def _sigterm_at(directory: Path, where: str, **_):
+    from test_reliability_common import tracking_uri
+
+    (directory / "sigterm_at.py").write_text(SIGTERM_AT)
+    _USED.add(directory)
+    done = subprocess.run([sys.executable, str(directory / "sigterm_at.py"), where, *TINY, "trainer.max_epochs=1",
+                           f"logger.tracking_uri={tracking_uri(directory)}"], cwd=directory, env=cli_env(),
+                          capture_output=True, text=True, timeout=300)  # fmt: skip
+    return directory, done
+
+
+@pytest.fixture(scope="module")
+def sigterm_outcomes(request, tmp_path_factory):
+    """The cases of the test below, side by side: (directory, finished process) per case id."""
+    return together(request, tmp_path_factory, "test_a_sigterm_anywhere_in_the_run_ends_it_in_one_line_with_exit_143",
+                    _sigterm_at)
+
+
 @pytest.mark.parametrize("where, status, line", [
     ("opening", "FAILED", "interrupted (SIGTERM)"),  # exit 0, nothing said, and the run RUNNING for good
     ("train_end", "FAILED", "interrupted (SIGTERM)"),  # flagged by Lightning, then ignored: FINISHED, exit 0
     ("finished", "FINISHED", "interrupted (SIGTERM) after run "),  # was turned into FAILED, left out of the tables
 ])  # fmt: skip
-def test_a_sigterm_anywhere_in_the_run_ends_it_in_one_line_with_exit_143(tmp_path, where, status, line):
-    from test_reliability_common import _USED, tracking_uri
-
-    (tmp_path / "sigterm_at.py").write_text(SIGTERM_AT)
-    _USED.add(tmp_path)
-    done = subprocess.run([sys.executable, str(tmp_path / "sigterm_at.py"), where, *TINY, "trainer.max_epochs=1",
-                           f"logger.tracking_uri={tracking_uri(tmp_path)}"], cwd=tmp_path, env=cli_env(),
-                          capture_output=True, text=True, timeout=300)  # fmt: skip
+def test_a_sigterm_anywhere_in_the_run_ends_it_in_one_line_with_exit_143(sigterm_outcomes, request, where, status,
+                                                                          line):
+    tmp_path, done = sigterm_outcomes[request.node.callspec.id]
     lines = [text for text in stderr_lines(done.stderr) if text.startswith("error: ")]
     assert done.returncode == 143 and len(lines) == 1 and line in lines[0], done.stderr[-3000:]
     (run,) = runs(tmp_path)
@@ -582,17 +595,28 @@ entry.main()
 """
 
 
+@pytest.fixture(scope="module")
+def around_outcomes(request, tmp_path_factory, store):
+    """The cases of the test below, side by side: (directory, finished process) per case id."""
+    def run(directory: Path, what: str):
+        copy_store(store, directory)
+        (directory / "around.py").write_text(AROUND_THE_RUNS)
+        return directory, subprocess.run([sys.executable, str(directory / "around.py"), what,
+                                          f"sqlite:///{directory / 'mlruns.db'}"], cwd=directory, env=cli_env(),
+                                         capture_output=True, text=True, timeout=120)  # fmt: skip
+
+    return together(request, tmp_path_factory, "test_what_fails_around_the_runs_is_one_line_and_leaves_no_run_running",
+                    run, workers=4)
+
+
 @pytest.mark.parametrize("what", ["folder", "full", "launcher", "bug"])
-def test_what_fails_around_the_runs_is_one_line_and_leaves_no_run_running(tmp_path, store, what):
+def test_what_fails_around_the_runs_is_one_line_and_leaves_no_run_running(around_outcomes, request, what):
     """Hydra's output folder that cannot be written, and a sweep's launcher failing (joblib's TerminatedWorkerError
     when the OOM killer kills a worker) printed Hydra's traceback; the launcher's left the workers' runs RUNNING."""
     from mlflow.tracking import MlflowClient
 
-    copy_store(store, tmp_path)
+    tmp_path, done = around_outcomes[request.node.callspec.id]
     uri = f"sqlite:///{tmp_path / 'mlruns.db'}"
-    (tmp_path / "around.py").write_text(AROUND_THE_RUNS)
-    done = subprocess.run([sys.executable, str(tmp_path / "around.py"), what, uri], cwd=tmp_path, env=cli_env(),
-                          capture_output=True, text=True, timeout=120)
     where = "(hydra.run.dir=..., with -m hydra.sweep.dir=...)"
     if what == "folder":
         assert done.returncode == 2 and stderr_lines(done.stderr) == [
