@@ -121,10 +121,45 @@ def test_full_traceback_on_request(tmp_path, store):
     assert "Traceback" in result.stderr and "ConfigError: model.intermediate=-3" in result.stderr
 
 
-def test_non_finite_loss_fails_the_run_and_keeps_the_last_good_checkpoint(tmp_path, store):
+def _non_finite_loss(directory: Path):
     # An absurd learning rate: after one Adam step the weights are ~1e30 and the next loss overflows.
-    copy_store(store, tmp_path)
-    result = cli(tmp_path, [*TINY, "trainer.lr=1e30", "trainer.checkpoint_every_n_steps=1"])
+    return cli(directory, [*TINY, "trainer.lr=1e30", "trainer.checkpoint_every_n_steps=1"])
+
+
+def _failed_job(directory: Path):
+    return cli(directory, [*TINY, "trainer.max_epochs=1", "model.connectivity=8,100,4"], multirun=True)
+
+
+def _a_bug(directory: Path):
+    import subprocess
+    import sys
+
+    from test_reliability_common import cli_env
+
+    (directory / "bug.py").write_text(A_BUG_IN_A_RUN)
+    return subprocess.run([sys.executable, str(directory / "bug.py"), *TINY,
+                           f"logger.tracking_uri=sqlite:///{directory / 'mlruns.db'}"],
+                          cwd=directory, env=cli_env(), capture_output=True, text=True, timeout=300)
+
+
+@pytest.fixture(scope="module")
+def side_by_side(request, tmp_path_factory, store):
+    """The command lines of three tests below, run together when the first of them starts (each is mostly one core
+    importing torch, Lightning and MLflow): {test name: (its directory, the finished command)}."""
+    commands = {"test_non_finite_loss_fails_the_run_and_keeps_the_last_good_checkpoint": _non_finite_loss,
+                "test_failed_job_does_not_stop_its_sweep": _failed_job,
+                "test_a_bug_in_a_run_shows_its_traceback_then_what_became_of_the_run": _a_bug}
+    selected = {item.originalname for item in request.session.items if item.module is request.module}
+    directories = {name: tmp_path_factory.mktemp("run") for name in commands if name in selected}
+    for directory in directories.values():
+        copy_store(store, directory)
+    with ThreadPoolExecutor(3) as pool:
+        futures = {name: pool.submit(commands[name], directory) for name, directory in directories.items()}
+    return {name: (directories[name], future.result()) for name, future in futures.items()}
+
+
+def test_non_finite_loss_fails_the_run_and_keeps_the_last_good_checkpoint(side_by_side, request):
+    tmp_path, result = side_by_side[request.node.originalname]
     assert result.returncode == 1, result.stderr[-2000:]
     errors = [line for line in stderr_lines(result.stderr) if line.startswith("error:")]
     assert len(errors) == 1 and "Traceback" not in result.stderr, result.stderr[-2000:]
@@ -186,9 +221,8 @@ def test_a_closed_standard_output_fails_the_run_in_one_line(tmp_path, store):
     assert run.info.status == "FAILED" and run.data.tags["error"] == line.removeprefix("error: ")
 
 
-def test_failed_job_does_not_stop_its_sweep(tmp_path, store):
-    copy_store(store, tmp_path)
-    result = cli(tmp_path, [*TINY, "trainer.max_epochs=1", "model.connectivity=8,100,4"], multirun=True)
+def test_failed_job_does_not_stop_its_sweep(side_by_side, request):
+    tmp_path, result = side_by_side[request.node.originalname]
     assert result.returncode == 1, result.stderr[-2000:]
     errors = [line for line in stderr_lines(result.stderr) if line.startswith("error:")]
     assert "Traceback" not in result.stderr, result.stderr[-2000:]
@@ -217,19 +251,10 @@ entry.main()
 """
 
 
-def test_a_bug_in_a_run_shows_its_traceback_then_what_became_of_the_run(tmp_path, store):
+def test_a_bug_in_a_run_shows_its_traceback_then_what_became_of_the_run(side_by_side, request):
     """A bug once the MLflow run was open printed Hydra's traceback alone: not the line saying the run was marked
     FAILED (or, with the store unwritable, that it shows RUNNING and how to close it)."""
-    import subprocess
-    import sys
-
-    from test_reliability_common import cli_env
-
-    copy_store(store, tmp_path)
-    (tmp_path / "bug.py").write_text(A_BUG_IN_A_RUN)
-    result = subprocess.run([sys.executable, str(tmp_path / "bug.py"), *TINY,
-                             f"logger.tracking_uri=sqlite:///{tmp_path / 'mlruns.db'}"],
-                            cwd=tmp_path, env=cli_env(), capture_output=True, text=True, timeout=300)
+    tmp_path, result = side_by_side[request.node.originalname]
     assert result.returncode == 1 and "Traceback" in result.stderr, result.stderr[-2000:]
     assert stderr_lines(result.stderr)[-1] == "error: RuntimeError: a bug", result.stderr[-2000:]
     (run,) = runs(tmp_path)
