@@ -304,3 +304,13 @@ def test_a_run_started_before_the_checks_with_a_key_they_refuse_can_still_be_res
 def test_a_dataset_setting_of_another_kind_is_refused(overrides, line):
     with pytest.raises(ConfigError, match=line):
         validate(_compose(overrides))
+
+
+def test_a_run_started_with_its_best_checkpoint_named_last_can_still_be_resumed():
+    """callbacks.best.filename=last is refused for a new run; a run started with it before that check, refused on
+    resume too (its stored config cannot change the setting), could never be continued."""
+    stored = _compose(["callbacks.best.filename=last"])
+    with pytest.raises(ConfigError, match=r"^callbacks.best.filename='last' must name a file of its own"):
+        validate(stored)
+    stored.resume = "0123456789abcdef"
+    validate(stored)

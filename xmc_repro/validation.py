@@ -293,9 +293,11 @@ def _best_checkpoint(cfg: DictConfig) -> None:
                           f"{', '.join(MONITORED)}")
     choice(mode, "callbacks.best.mode", ("max", "min"))
     # The run's folder also holds last.ckpt, written every epoch: a best checkpoint of that name overwrote it, so a
-    # resume continued from the best epoch and the test read whichever was written last.
+    # resume continued from the best epoch and the test read whichever was written last. Not on resume: a run started
+    # with it before this check keeps its stored config, which no command line can change.
     filename = best.get("filename")
-    if filename is not None and (str(filename) in ("last", "") or Path(str(filename)).name != str(filename)):
+    if filename is not None and not cfg.get("resume") and (str(filename) in ("last", "")
+                                                          or Path(str(filename)).name != str(filename)):
         raise ConfigError(f"callbacks.best.filename={filename!r} must name a file of its own in the run's checkpoint "
                           "folder (not last, the checkpoint resume= continues from; no folders); e.g. best")
 
