@@ -265,8 +265,8 @@ def sigterm_outcomes(request, tmp_path_factory):
     ("train_end", "FAILED", "interrupted (SIGTERM)"),  # flagged by Lightning, then ignored: FINISHED, exit 0
     ("finished", "FINISHED", "interrupted (SIGTERM) after run "),  # was turned into FAILED, left out of the tables
 ])  # fmt: skip
-def test_a_sigterm_anywhere_in_the_run_ends_it_in_one_line_with_exit_143(sigterm_outcomes, request, where, status,
-                                                                          line):
+def test_a_sigterm_anywhere_in_the_run_ends_it_in_one_line_with_exit_143(
+        sigterm_outcomes, request, where, status, line):
     tmp_path, done = sigterm_outcomes[request.node.callspec.id]
     lines = [text for text in stderr_lines(done.stderr) if text.startswith("error: ")]
     assert done.returncode == 143 and len(lines) == 1 and line in lines[0], done.stderr[-3000:]

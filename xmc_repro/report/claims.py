@@ -340,8 +340,8 @@ CLAIMS = (
      f"Holds where dense's peak GPU memory is at least {MEMORY_FACTOR:g} times the uniform model's, on the same "
      "card, data shape, scale and settings.")),
     (c5_loss, ("C5", "squared hinge trains faster per epoch than binary cross-entropy and reaches at least its P@k",
-     "Time: squared hinge's time per epoch below BCE's on the same GPU, model, scale and settings (full-shape runs). P@k: squared hinge's "
-     f"test P@1, P@3, P@5 at most {TOLERANCE:g} point below BCE's (real data).")),
+     "Time: squared hinge's time per epoch below BCE's on the same GPU, model, scale and settings (full-shape "
+     f"runs). P@k: squared hinge's test P@1, P@3, P@5 at most {TOLERANCE:g} point below BCE's (real data).")),
     (c6_more_capacity, ("C6", "more connections, or a larger intermediate layer, raise P@k",
      f"Holds where the larger model's test P@1 and P@3 are more than {TOLERANCE:g} point above the smaller's (same "
      "data, loss and the other size fixed).")),
@@ -351,8 +351,8 @@ CLAIMS = (
      "allocator's cache come on top).")),
     (c8_epoch_time, ("C8", "with an intermediate layer, the uniform model trains an epoch faster than the dense "
      "last layer", "Holds where its time per epoch is below the dense model's (without intermediate layer, as in "
-     "the paper's Table 1) on the same GPU, data shape, scale and settings. The ratio depends on the epoch's length, which "
-     "evaluation weighs on more in a short one.")),
+     "the paper's Table 1) on the same GPU, data shape, scale and settings. The ratio depends on the epoch's "
+     "length, which evaluation weighs on more in a short one.")),
 )  # fmt: skip
 
 
