@@ -222,6 +222,36 @@ def test_losses_of_one_name_with_other_functions_are_other_configurations(store,
         ("hinge", "0", "60")}
 
 
+def test_a_loss_file_of_ones_own_in_conf_loss_is_not_taken_for_one_of_the_projects(tmp_path):
+    """The project's losses were every file in conf/loss, where the README puts a loss of one's own: its runs lost
+    their function in the `loss` column, a second file of an existing name made the mark depend on which file was
+    read last, and a file without `name` failed every report command as it imported. Only bce and squared_hinge are
+    the project's, as conf/loss/bce.yaml and squared_hinge.yaml say."""
+    import subprocess
+    import sys
+
+    import yaml
+
+    from xmc_repro.report.identity import PROJECT_LOSSES
+    from xmc_repro.resources import resource_dir
+
+    loss_dir = resource_dir("conf") / "loss"
+    assert PROJECT_LOSSES == {name: yaml.safe_load((loss_dir / f"{name}.yaml").read_text())["_target_"]
+                              for name in ("bce", "squared_hinge")}
+    conf = tmp_path / "conf"
+    shutil.copytree(resource_dir("conf"), conf)
+    (conf / "loss" / "margin_hinge.yaml").write_text(
+        "_target_: mypackage.losses.margin_hinge\n_partial_: true\nname: margin_hinge\nmargin: 2.0\n")
+    (conf / "loss" / "draft.yaml").write_text("_target_: mypackage.losses.draft\n")  # no name yet
+    code = (f"import xmc_repro.resources as r; r.resource_dir = lambda name: r.Path({str(conf)!r}); "
+            "from xmc_repro.report.identity import configuration; "
+            "print(configuration({'model/head': 'uniform', 'loss/name': 'margin_hinge', "
+            "'loss/_target_': 'mypackage.losses.margin_hinge', 'loss/margin': '2.0'}, {})['loss'])")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip() == "margin_hinge _target_=mypackage.losses.margin_hinge margin=2.0"
+
+
 def test_export_keeps_configurations_tables_and_scales_apart_and_skips_untagged_runs(store, tmp_path):
     log_run(store, params_of(BIBTEX, "uniform", 32, 256), metrics_of(40.0))
     log_run(store, params_of(BIBTEX, "uniform", 64, 256), metrics_of(42.0))
