@@ -603,7 +603,7 @@ def around_outcomes(request, tmp_path_factory, store):
         (directory / "around.py").write_text(AROUND_THE_RUNS)
         return directory, subprocess.run([sys.executable, str(directory / "around.py"), what,
                                           f"sqlite:///{directory / 'mlruns.db'}"], cwd=directory, env=cli_env(),
-                                         capture_output=True, text=True, timeout=120)  # fmt: skip
+                                         capture_output=True, text=True, timeout=300)  # fmt: skip
 
     return together(request, tmp_path_factory, "test_what_fails_around_the_runs_is_one_line_and_leaves_no_run_running",
                     run, workers=4)
