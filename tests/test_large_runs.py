@@ -55,10 +55,14 @@ def test_a_model_whose_training_state_exceeds_the_memory_is_refused_naming_the_n
 def test_the_dense_input_batch_counts_toward_the_need(monkeypatch):
     """Bag-of-words batches are made dense: a header declaring 2e9 features passed the check with a uniform head (a
     few parameters) and was OOM-killed at its first batch of 32 x 2e9 float32, its MLflow run left RUNNING."""
-    with pytest.raises(ConfigError, match=r"needs at least 476\.8 GiB .* and 2 copies of a dense input batch of 32 x "
+    with pytest.raises(ConfigError, match=r"needs at least 238\.4 GiB .* and a dense input batch of 32 x "
                                           r"2,000,000,000\), but 16\.0 GiB is available; lower trainer\.batch_size "
                                           r"and trainer\.eval_batch_size \(or check the data's feature count\)"):
         check_fits(_model(), 2_000_000_000, 3, on_cpu=True, available=16 * GIB, batch_rows=32)
+    # a head of one's own (its size unknown) was let through whatever the batch
+    with pytest.raises(ConfigError, match=r"^a dense input batch of 32 x 2,000,000,000 needs at least 238\.4 GiB of "
+                                          r"memory, but 16\.0 GiB is available; lower trainer\.batch_size"):
+        check_fits(_model("lowrank"), 2_000_000_000, 3, on_cpu=True, available=16 * GIB, batch_rows=32)
     check_fits(_model(), *AMAZON_BOW, on_cpu=True, available=GIB, batch_rows=32)  # 35 MB of batch: fits
     # train.check_memory takes the larger of the training and evaluation batches, at most a split's points
     with pytest.raises(ConfigError, match=r"dense input batch of 100 x 768"):

@@ -18,7 +18,6 @@ from __future__ import annotations
 from xmc_repro.errors import ConfigError
 
 GIB = 2**30
-INPUT_COPIES = 2  # a dense input batch as gathered, and one copy of it (see check_fits)
 
 
 def model_sizes(model_cfg, num_features: int, num_labels: int) -> tuple[int, int] | None:
@@ -73,26 +72,32 @@ def available_bytes() -> int:
 def check_fits(model_cfg, num_features: int, num_labels: int, on_cpu: bool, processes: int = 1,
                available: int | None = None, value_bytes: int = 4, fixes: list[str] | None = None,
                batch_rows: int = 0) -> None:
-    """ConfigError (one line) when the model's training state alone exceeds the available memory; `processes`: how
+    """ConfigError (one line) when the model's training state and a dense input batch exceed the available memory
+    (a head of one's own: the batch alone); `processes`: how
     many copies this machine will train at once (DDP ranks on the CPU); `value_bytes`: as `training_bytes`;
     `fixes`: what the message advises (default: the run's settings that shrink the model); `batch_rows`: the rows
     of the largest input batch, which is made dense (bag-of-words rows too)."""
+    # A batch is made dense (bag-of-words rows too) before the model sees it: with a header declaring billions of
+    # features, that alone was OOM-killed at the first batch, the run left RUNNING. One copy, as a lower bound (dropout
+    # and the GPU's pinned copy add another; evaluation makes none).
+    batch_bytes = 4 * int(batch_rows) * int(num_features)
     need = training_bytes(model_cfg, num_features, num_labels, on_cpu, value_bytes)
-    if need is None:
-        return
-    # A batch is gathered dense, then copied once more (dropout's output on a CPU, the pinned copy for a GPU): with
-    # a header declaring billions of features, that alone was OOM-killed at the first batch, the run left RUNNING.
-    batch_bytes = INPUT_COPIES * 4 * int(batch_rows) * int(num_features)
-    need_bytes, weights = (need[0] + batch_bytes) * max(int(processes), 1), need[1]
+    state_bytes, weights = need if need is not None else (0, None)  # a head of one's own: its size unknown
+    need_bytes = (state_bytes + batch_bytes) * max(int(processes), 1)
     available = available_bytes() if available is None else int(available)
     if need_bytes <= available:
         return
+    batch = (f"a dense input batch of {batch_rows:,} x {num_features:,}",
+             "lower trainer.batch_size and trainer.eval_batch_size (or check the data's feature count)")
+    copies = f" x {processes} processes" if processes > 1 else ""
+    if weights is None:
+        raise ConfigError(f"{batch[0]} needs at least {need_bytes / GIB:.1f} GiB of memory{copies}, but "
+                          f"{available / GIB:.1f} GiB is available; {batch[1]}")
     where = "to train on the CPU" if on_cpu else "on the host to build it"
     what = ("weights, gradients and Adam's two moments" if on_cpu
             else "its weights before they move to the GPU")
     if batch_bytes:
-        what += f", and {INPUT_COPIES} copies of a dense input batch of {batch_rows:,} x {num_features:,}"
-    copies = f" x {processes} processes" if processes > 1 else ""
+        what += f", and {batch[0]}"
     intermediate = model_cfg.get("intermediate")
     if fixes is None:
         head = model_cfg.get("head")
@@ -101,8 +106,8 @@ def check_fits(model_cfg, num_features: int, num_labels: int, on_cpu: bool, proc
                   "mach": ["lower model.mach.num_buckets or model.mach.num_hashes"]}.get(head, [])
         if head in ("dense", "bottleneck", "mach"):
             fixes.append("use a sparse head (model=uniform)")
-        if batch_bytes > need[0]:
-            fixes.insert(0, "lower trainer.batch_size and trainer.eval_batch_size (or check the data's feature count)")
+        if batch_bytes > state_bytes:
+            fixes.insert(0, batch[1])
         fixes.append("run on a machine with more memory")
     raise ConfigError(
         f"model={model_cfg.get('head')}{f' with model.intermediate={intermediate}' if intermediate else ''} over "
