@@ -272,8 +272,8 @@ def tested_runs(request, tmp_path_factory):
     """The runs of the test below, side by side: (directory, finished command) per case id."""
     from test_reliability_common import together
 
-    return together(request, tmp_path_factory, "test_a_run_is_tested_with_the_weights_the_authors_would_test",
-                    _tested_run)
+    return together(request, tmp_path_factory,
+                    {"test_a_run_is_tested_with_the_weights_the_authors_would_test": _tested_run})
 
 
 @pytest.mark.parametrize("settings,tested", [
@@ -285,7 +285,7 @@ def test_a_run_is_tested_with_the_weights_the_authors_would_test(tested_runs, re
     from mlflow.tracking import MlflowClient
     from test_reliability_common import runs, tracking_uri
 
-    tmp_path, result = tested_runs[request.node.callspec.id]
+    tmp_path, result = tested_runs[request.node.name].result()
     assert result.returncode == 0, result.stderr[-2000:]
     (run,) = runs(tmp_path)
     history = [m.value for m in MlflowClient(tracking_uri(tmp_path)).get_metric_history(run.info.run_id, "val/p_at_3")]

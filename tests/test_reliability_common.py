@@ -74,17 +74,18 @@ def start(cwd: Path, args, env: dict | None = None) -> subprocess.Popen:
                             stderr=subprocess.PIPE, text=True)
 
 
-def together(request, tmp_path_factory, test_name: str, run_case, workers: int = 3) -> dict:
-    """For a module fixture: ``run_case(directory, **params)`` of every selected case of this module's parametrised
-    test ``test_name``, ``workers`` at a time, each in a new directory. A case that starts the command line spends
+def together(request, tmp_path_factory, run_cases: dict, workers: int = 3) -> dict:
+    """For a module fixture: ``run_cases[name](directory, **its parameters)`` for every selected test of this module
+    named in ``run_cases``, ``workers`` at a time, each in a new directory. A case that starts the command line spends
     its seconds mostly importing torch, Lightning and MLflow on one core: side by side they take little longer than
-    one. Returns {the case's id (``request.node.callspec.id`` in the test): what run_case returned}."""
-    cases = {item.callspec.id: item.callspec.params for item in request.session.items
-             if item.originalname == test_name and item.module is request.module}
-    directories = {case: tmp_path_factory.mktemp("case") for case in cases}
-    with ThreadPoolExecutor(workers) as pool:
-        futures = {case: pool.submit(run_case, directories[case], **params) for case, params in cases.items()}
-    return {case: future.result() for case, future in futures.items()}
+    one. Returns {the test's ``request.node.name``: its finished future}, whose ``result()`` raises that case's own
+    error only."""
+    items = [item for item in request.session.items
+             if item.module is request.module and item.originalname in run_cases]
+    with ThreadPoolExecutor(workers) as pool:  # leaving the block waits for every case
+        return {item.name: pool.submit(run_cases[item.originalname], tmp_path_factory.mktemp("case"),
+                                       **(item.callspec.params if hasattr(item, "callspec") else {}))
+                for item in items}
 
 
 def stderr_lines(stderr: str) -> list[str]:

@@ -8,14 +8,15 @@ FAILED with that same message as its tag `error`. Also: a non-finite loss, and a
 from __future__ import annotations
 
 import re
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
-from test_reliability_common import TINY, cli, copy_store, make_store, runs, start, stderr_lines, tiny_config
+from test_reliability_common import (
+    TINY, cli, copy_store, make_store, runs, start, stderr_lines, tiny_config, together,
+)
 from test_reliability_common import no_run_left_running  # noqa: F401  (autouse)
 
 GOOD_TRAIN = "3 5 3\n0,1 0:1.0 2:0.5\n2 1:1.0\n1 3:0.25 4:1\n"
@@ -79,13 +80,10 @@ def _run_case(directory: Path, store: Path, write, args):
 @pytest.fixture(scope="module")
 def outcomes(request, tmp_path_factory, store):
     """The selected cases at once, three at a time: each is a whole interpreter start (torch, Lightning, MLflow)."""
-    selected = [item.callspec.params["case"] for item in request.session.items
-                if item.originalname == "test_bad_input_ends_in_one_line"]
-    base = tmp_path_factory.mktemp("cases")
-    with ThreadPoolExecutor(3) as pool:
-        futures = {name: pool.submit(_run_case, base / name, store, CASES[name][0], CASES[name][1])
-                   for name in selected}
-    return {name: (base / name, future.result()) for name, future in futures.items()}
+    def run(directory: Path, case: str):
+        return directory / case, _run_case(directory / case, store, *CASES[case][:2])
+
+    return together(request, tmp_path_factory, {"test_bad_input_ends_in_one_line": run})
 
 
 # One case per source of errors runs by default (XC parser, .npy loader, layer sizes, Hydra);
@@ -97,9 +95,9 @@ DEFAULT_CASES = ("malformed_line", "npy_wrong_dtype", "connectivity_too_large", 
 @pytest.mark.parametrize(
     "case", [c if c in DEFAULT_CASES else pytest.param(c, marks=pytest.mark.slow) for c in CASES]
 )
-def test_bad_input_ends_in_one_line(case, outcomes):
+def test_bad_input_ends_in_one_line(case, outcomes, request):
     _, _, expected, run_opened = CASES[case]
-    directory, result = outcomes[case]
+    directory, result = outcomes[request.node.name].result()
     assert result.returncode == 2, result.stderr[-2000:]
     lines = stderr_lines(result.stderr)
     assert len(lines) == 1, result.stderr[-2000:]
@@ -145,21 +143,22 @@ def _a_bug(directory: Path):
 @pytest.fixture(scope="module")
 def side_by_side(request, tmp_path_factory, store):
     """The command lines of three tests below, run together when the first of them starts (each is mostly one core
-    importing torch, Lightning and MLflow): {test name: (its directory, the finished command)}."""
+    importing torch, Lightning and MLflow): {test name: future of (its directory, the finished command)}."""
+    def in_a_copy_of_the_store(command):
+        def run(directory: Path):
+            copy_store(store, directory)
+            return directory, command(directory)
+        return run
+
     commands = {"test_non_finite_loss_fails_the_run_and_keeps_the_last_good_checkpoint": _non_finite_loss,
                 "test_failed_job_does_not_stop_its_sweep": _failed_job,
                 "test_a_bug_in_a_run_shows_its_traceback_then_what_became_of_the_run": _a_bug}
-    selected = {item.originalname for item in request.session.items if item.module is request.module}
-    directories = {name: tmp_path_factory.mktemp("run") for name in commands if name in selected}
-    for directory in directories.values():
-        copy_store(store, directory)
-    with ThreadPoolExecutor(3) as pool:
-        futures = {name: pool.submit(commands[name], directory) for name, directory in directories.items()}
-    return {name: (directories[name], future.result()) for name, future in futures.items()}
+    return together(request, tmp_path_factory,
+                    {name: in_a_copy_of_the_store(command) for name, command in commands.items()})
 
 
 def test_non_finite_loss_fails_the_run_and_keeps_the_last_good_checkpoint(side_by_side, request):
-    tmp_path, result = side_by_side[request.node.originalname]
+    tmp_path, result = side_by_side[request.node.name].result()
     assert result.returncode == 1, result.stderr[-2000:]
     errors = [line for line in stderr_lines(result.stderr) if line.startswith("error:")]
     assert len(errors) == 1 and "Traceback" not in result.stderr, result.stderr[-2000:]
@@ -222,7 +221,7 @@ def test_a_closed_standard_output_fails_the_run_in_one_line(tmp_path, store):
 
 
 def test_failed_job_does_not_stop_its_sweep(side_by_side, request):
-    tmp_path, result = side_by_side[request.node.originalname]
+    tmp_path, result = side_by_side[request.node.name].result()
     assert result.returncode == 1, result.stderr[-2000:]
     errors = [line for line in stderr_lines(result.stderr) if line.startswith("error:")]
     assert "Traceback" not in result.stderr, result.stderr[-2000:]
@@ -254,7 +253,7 @@ entry.main()
 def test_a_bug_in_a_run_shows_its_traceback_then_what_became_of_the_run(side_by_side, request):
     """A bug once the MLflow run was open printed Hydra's traceback alone: not the line saying the run was marked
     FAILED (or, with the store unwritable, that it shows RUNNING and how to close it)."""
-    tmp_path, result = side_by_side[request.node.originalname]
+    tmp_path, result = side_by_side[request.node.name].result()
     assert result.returncode == 1 and "Traceback" in result.stderr, result.stderr[-2000:]
     assert stderr_lines(result.stderr)[-1] == "error: RuntimeError: a bug", result.stderr[-2000:]
     (run,) = runs(tmp_path)

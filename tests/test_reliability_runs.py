@@ -256,8 +256,8 @@ def _sigterm_at(directory: Path, where: str, **_):
 @pytest.fixture(scope="module")
 def sigterm_outcomes(request, tmp_path_factory):
     """The cases of the test below, side by side: (directory, finished process) per case id."""
-    return together(request, tmp_path_factory, "test_a_sigterm_anywhere_in_the_run_ends_it_in_one_line_with_exit_143",
-                    _sigterm_at)
+    return together(request, tmp_path_factory,
+                    {"test_a_sigterm_anywhere_in_the_run_ends_it_in_one_line_with_exit_143": _sigterm_at})
 
 
 @pytest.mark.parametrize("where, status, line", [
@@ -267,7 +267,7 @@ def sigterm_outcomes(request, tmp_path_factory):
 ])  # fmt: skip
 def test_a_sigterm_anywhere_in_the_run_ends_it_in_one_line_with_exit_143(
         sigterm_outcomes, request, where, status, line):
-    tmp_path, done = sigterm_outcomes[request.node.callspec.id]
+    tmp_path, done = sigterm_outcomes[request.node.name].result()
     lines = [text for text in stderr_lines(done.stderr) if text.startswith("error: ")]
     assert done.returncode == 143 and len(lines) == 1 and line in lines[0], done.stderr[-3000:]
     (run,) = runs(tmp_path)
@@ -605,8 +605,8 @@ def around_outcomes(request, tmp_path_factory, store):
                                           f"sqlite:///{directory / 'mlruns.db'}"], cwd=directory, env=cli_env(),
                                          capture_output=True, text=True, timeout=300)  # fmt: skip
 
-    return together(request, tmp_path_factory, "test_what_fails_around_the_runs_is_one_line_and_leaves_no_run_running",
-                    run, workers=4)
+    return together(request, tmp_path_factory,
+                    {"test_what_fails_around_the_runs_is_one_line_and_leaves_no_run_running": run}, workers=4)
 
 
 @pytest.mark.parametrize("what", ["folder", "full", "launcher", "bug"])
@@ -615,7 +615,7 @@ def test_what_fails_around_the_runs_is_one_line_and_leaves_no_run_running(around
     when the OOM killer kills a worker) printed Hydra's traceback; the launcher's left the workers' runs RUNNING."""
     from mlflow.tracking import MlflowClient
 
-    tmp_path, done = around_outcomes[request.node.callspec.id]
+    tmp_path, done = around_outcomes[request.node.name].result()
     uri = f"sqlite:///{tmp_path / 'mlruns.db'}"
     where = "(hydra.run.dir=..., with -m hydra.sweep.dir=...)"
     if what == "folder":
