@@ -145,10 +145,14 @@ def test_bad_input_names_file_and_line(tmp_path, text, message):
 def test_utf16_file_is_named_as_such(tmp_path):
     """Was 'malformed header' followed by the header's bytes with NULs between them."""
     path = tmp_path / "u.txt"
-    path.write_bytes("2 4 5\n0 1:1\n1 0:1\n".encode("utf-16"))
-    for read in (read_xc, read_labels):
-        with pytest.raises(DataError, match=r"u\.txt: UTF-16 text; save it as UTF-8 or ASCII"):
-            read(path)
+    text = "2 4 5\n0 1:1\n1 0:1\n"
+    # UTF-32's mark begins with UTF-16's; a file without a mark was still a malformed header
+    for encoding, named in (("utf-16", "UTF-16"), ("utf-32", "UTF-32"), ("utf-16-le", "UTF-16 or UTF-32")):
+        path.write_bytes(text.encode(encoding))
+        for read in (read_xc, read_labels):
+            with pytest.raises(DataError, match=rf"u\.txt: {named} text \(NUL bytes in its first line\); save it as "
+                                                "UTF-8 or ASCII"):
+                read(path)
 
 
 def test_bad_line_deep_in_a_large_file(tmp_path, monkeypatch):

@@ -10,7 +10,7 @@ Two layouts share one parser:
 Files are read in chunks of whole lines and every chunk is parsed with vectorised numpy (no Python
 object per token), so time and memory are linear in the file size. A chunk that fails a check is
 re-read line by line to name the offending ``path:line`` (lines are 1-based; the header is line 1).
-A UTF-8 byte-order mark and Windows line ends (CRLF) are read as if absent; UTF-16 text and classic Mac line
+A UTF-8 byte-order mark and Windows line ends (CRLF) are read as if absent; UTF-16 and UTF-32 text and classic Mac line
 ends (a bare CR) are refused, naming the conversion.
 """
 
@@ -31,7 +31,9 @@ _SP, _NL, _COMMA, _COLON = (ord(c) for c in " \n,:")
 _DIGIT_LO, _DIGIT_HI = ord("0"), ord("9")
 _BOM = b"\xef\xbb\xbf"
 _GZIP = b"\x1f\x8b"
-_UTF16 = (b"\xff\xfe", b"\xfe\xff")  # its byte-order marks
+# UTF-32's byte-order marks first: little-endian UTF-32's begins with UTF-16's
+_WIDE_TEXT = ((b"\xff\xfe\x00\x00", "UTF-32"), (b"\x00\x00\xfe\xff", "UTF-32"), (b"\xff\xfe", "UTF-16"),
+              (b"\xfe\xff", "UTF-16"))
 
 
 @dataclass
@@ -63,8 +65,13 @@ def first_line(path: Path) -> bytes:
         raise DataError(f"{path}: cannot be read ({error.strerror or error}); make it readable (e.g. chmod a+r)") from None
     if first.startswith(_GZIP):
         raise DataError(f"{path}: gzip-compressed; decompress it first (gunzip -k {path}) and use the .txt file")
-    if first.startswith(_UTF16):  # every other byte NUL: read as one malformed header of garbage
-        raise DataError(f"{path}: UTF-16 text; save it as UTF-8 or ASCII (iconv -f UTF-16 -t UTF-8 {path} > NEW)")
+    # NUL bytes between the characters: read as one malformed header of garbage
+    encoding = next((name for mark, name in _WIDE_TEXT if first.startswith(mark)), None)
+    if encoding is None and b"\x00" in first:
+        encoding = "UTF-16 or UTF-32"  # without a byte-order mark
+    if encoding:
+        raise DataError(f"{path}: {encoding} text (NUL bytes in its first line); save it as UTF-8 or ASCII (iconv -f "
+                        f"{encoding.split()[0]} -t UTF-8 {path} > NEW)")
     return first.removeprefix(_BOM)
 
 
