@@ -334,10 +334,11 @@ def test_repeated_feature_indices_are_summed_and_named_in_one_warning(tmp_path):
            "normalize": "none"}
     with pytest.warns(UserWarning) as caught:
         train, test = load_splits(cfg)
+    summed = ("the values of a repeated index are summed (to 0 where they cancel); if they should not add up, fix "
+              "the export")
     assert [str(w.message) for w in caught] == [
-        f"{tmp_path / 'train.txt'}:3: 2 lines list a feature index more than once; the values of a repeated index "
-        "are summed", f"{tmp_path / 'test.txt'}:2: 1 line lists a feature index more than once; the values of a "
-        "repeated index are summed"]
+        f"{tmp_path / 'train.txt'}:3: 2 lines list a feature index more than once; {summed}",
+        f"{tmp_path / 'test.txt'}:2: 1 line lists a feature index more than once; {summed}"]
     np.testing.assert_array_equal(train.features.toarray(), [[1, 0, 0, 0], [0, 1.5, 0, 2], [0, 0, 0, 0]])
 
 

@@ -210,7 +210,7 @@ def _note_repeated_features(data) -> None:
     if lines is not None and len(lines):
         lines_list = f"{len(lines):,} lines list" if len(lines) > 1 else "1 line lists"
         _data_warning(f"{data.path}:{lines[0]}: {lines_list} a feature index more than once; the values of a "
-                      "repeated index are summed")
+                      "repeated index are summed (to 0 where they cancel); if they should not add up, fix the export")
 
 
 def _data_warning(message: str) -> None:
