@@ -68,7 +68,7 @@ class LabelCSR:
 
     def label_counts(self) -> np.ndarray:
         """Points per label, (num_labels,) int64."""
-        return np.bincount(self.idx, minlength=self.num_labels).astype(np.int64, copy=False)  # no copy where intp is int64
+        return np.bincount(self.idx, minlength=self.num_labels).astype(np.int64, copy=False)
 
     def deduplicated(self) -> LabelCSR:
         """Labels sorted within each row, repeats dropped (a label listed twice is still one positive)."""
