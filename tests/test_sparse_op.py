@@ -234,6 +234,26 @@ def test_autograd_matches_dense_masked_weight(device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("wants", [(True, False, False), (False, True, False), (False, False, True),
+                                   (True, False, True), (False, True, True)], ids=["x", "w", "b", "xb", "wb"])
+def test_each_subset_of_wanted_gradients_matches_dense_masked_weight(device, wants):
+    """Backward computes only the gradients asked for (x, weight, bias: e.g. a frozen weight with a trained bias),
+    and each of them equals the dense twin's: the bias gradient of a frozen weight is the gradient summed over the
+    batch, as with every gradient wanted."""
+    x, idx, w, b = _problem(5, 40, 70, 4, device)
+    grad = _sparse_grad(5, 70, 0.5, device)
+    sparse_in = [t.clone().requires_grad_(want) for t, want in zip((x, w, b), wants)]
+    uniform_sparse_linear(sparse_in[0], idx, sparse_in[1], sparse_in[2]).backward(grad)
+    dense_in = [t.clone().requires_grad_() for t in (x, w, b)]
+    (dense_in[0] @ ref.dense_weight(idx, dense_in[1], 40).T + dense_in[2]).backward(grad)
+    for got, want, wanted in zip(sparse_in, dense_in, wants):
+        if wanted:
+            torch.testing.assert_close(got.grad, want.grad)
+        else:
+            assert got.grad is None
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_mostly_zero_gradients_equal_dense_path(device):
     """99 % exact zeros (squared hinge): the skipping kernels still give the dense-gradient result."""
     batch, in_features, labels, conn = 32, 500, 3000, 16
