@@ -75,6 +75,24 @@ def test_uniform_init_is_uniform_over_sources_and_deterministic():
     assert not torch.equal(a, sample_uniform_sources(50, 20000, 5, _gen(4)))
 
 
+def test_unstructured_positions_are_uniform_over_the_matrix_initially_and_when_regrown():
+    """With replacement (the authors' default), every (label, input) position is equally likely, the last one too:
+    the 20 connections of a 4 x 5 layer drawn 150 times at initialisation, then all regrown 150 times; the 3,000
+    positions of each counted per position (chi2)."""
+
+    def chi2(positions):
+        counts = torch.bincount(torch.cat(positions), minlength=20).double()
+        assert counts.numel() == 20 and int(counts.min()) > 0
+        return float(((counts - 150) ** 2 / 150).sum())
+
+    assert chi2([UnstructuredSparseLinear(5, 4, 5, generator=_gen(seed)).positions() for seed in range(150)]) < 60
+    layer, g, regrown = UnstructuredSparseLinear(5, 4, 5, generator=_gen(0)), _gen(1), []
+    for _ in range(150):
+        assert layer.rewire(1.0, g, exact_count=True).numel() == 20
+        regrown.append(layer.positions())
+    assert chi2(regrown) < 60  # 19 dof: p ~ 3e-6
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_uniform_layer_forward_backward_match_dense(device):
     layer = UniformSparseLinear(40, 70, 6, generator=_gen(1)).to(device)
