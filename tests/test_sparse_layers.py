@@ -202,7 +202,8 @@ def test_a_state_dict_of_a_layer_of_other_sizes_is_refused_at_load(layer_type, s
 
 @pytest.mark.parametrize("layer_type", [UniformSparseLinear, UnstructuredSparseLinear])
 def test_a_state_dict_saved_without_sizes_is_checked_by_its_indices(layer_type):
-    """State dicts from before the sizes were saved still load; indices that do not fit the layer are refused."""
+    """State dicts from before the sizes were saved still load; indices that do not fit the layer are refused, also
+    a source just one past the layer's last input."""
     saved = layer_type(13, 7, 3, generator=_gen(0))
     saved.indices[-1, 0] = 12  # a source only the 13-input layer has (Unstructured: row 1 holds the inputs)
     old = {key: value for key, value in saved.state_dict().items() if key != "_extra_state"}
@@ -211,6 +212,9 @@ def test_a_state_dict_saved_without_sizes_is_checked_by_its_indices(layer_type):
     with pytest.raises(RuntimeError, match=r"in_features=11.*\[0, 11\)"):
         target.load_state_dict(old)
     assert torch.equal(target.indices, before)
+    one_input_fewer = layer_type(12, 7, 3, generator=_gen(1))  # source 12 is one past its last input
+    with pytest.raises(RuntimeError, match=r"in_features=12.*\[0, 12\)"):
+        one_input_fewer.load_state_dict(old)
     with pytest.raises(RuntimeError, match=r"indices are torch.float32, this .*'s are torch.int"):
         target.load_state_dict({**old, "indices": old["indices"].float()})
     same = layer_type(13, 7, 3, generator=_gen(1))
