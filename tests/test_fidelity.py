@@ -39,15 +39,26 @@ def test_rewiring_schedule(schedule, steps):
 class _RecordRewirings(Rewiring):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        self.events = []  # (step, slots rewired, slots that could have been)
+        self.events = []  # (step, slots below the threshold, the fraction's count, slots rewired)
 
     @torch.no_grad()
     def rewire(self, trainer, pl_module):
-        before = pl_module.head.weight.detach().abs().view(-1).clone()
-        super().rewire(trainer, pl_module)
+        layer = pl_module.head
+        before = layer.weight.detach().abs().view(-1).clone()
+        rewired = []  # the slots the layer's own rewire returned: what the callback had it rewire
+
+        def recorded(*args, **kwargs):
+            rewired.append(type(layer).rewire(layer, *args, **kwargs))
+            return rewired[-1]
+
+        layer.rewire = recorded
+        try:
+            super().rewire(trainer, pl_module)
+        finally:
+            del layer.rewire
         count = round(self.fraction * before.numel())
         threshold = before.sort().values[count - 1]
-        self.events.append((trainer.global_step, int((before < threshold).sum()), count))
+        self.events.append((trainer.global_step, int((before < threshold).sum()), count, rewired[0].numel()))
 
 
 @pytest.mark.parametrize("schedule,exact,steps", [("authors", False, [1, 4, 7, 10]), ("multiples", True, [3, 6, 9])])
@@ -59,11 +70,13 @@ def test_rewiring_in_training_steps_and_slot_count(tmp_path, schedule, exact, st
                          enable_checkpointing=False, num_sanity_val_steps=0, limit_val_batches=0,
                          callbacks=[rewiring], default_root_dir=tmp_path)
     trainer.fit(model, datamodule=build_datamodule(TINY, batch_size=16, seed=0))
-    assert [step for step, _, _ in rewiring.events] == steps
+    assert [step for step, *_ in rewiring.events] == steps
     assert rewiring.rewirings == len(steps)
-    # the authors rewire the weights strictly below the threshold: one slot fewer than the fraction here
-    for _, below, count in rewiring.events:
+    # the authors rewire the weights strictly below the threshold: one slot fewer than the fraction here;
+    # exact_count (model.rewire_exact_count) rewires the fraction's count
+    for _, below, count, rewired in rewiring.events:
         assert count == 60 and below == count - 1
+        assert rewired == (count if exact else below)
 
 
 def test_authors_init_of_dense_layers_is_glorot_uniform_with_zero_bias():
