@@ -100,13 +100,16 @@ def test_the_shortcut_composes_as_hydra_does(table):
 
 
 def test_the_interval_is_the_datasets_and_the_fraction_the_models(tmp_path):
-    cfg = _compose(["dataset=wiki10_31k", "model.rewire_fraction=0.3", "model.rewire_schedule=multiples"])
+    cfg = _compose(["dataset=wiki10_31k", "model.rewire_fraction=0.3", "model.rewire_schedule=multiples",
+                    "model.rewire_exact_count=true"])
     rewiring = build_callbacks(cfg, tmp_path)["rewiring"]
-    assert (rewiring.every_epoch, rewiring.every_n_steps, rewiring.fraction, rewiring.schedule) == (
-        True, None, 0.3, "multiples")
+    settings = (rewiring.every_epoch, rewiring.every_n_steps, rewiring.fraction, rewiring.schedule, rewiring.exact_count)
+    assert settings == (True, None, 0.3, "multiples", True)
     cfg = _compose(["dataset=synthetic", "dataset.rewire_every_n_steps=7", "model=dense"])
     rewiring = build_callbacks(cfg, tmp_path)["rewiring"]
     assert (rewiring.every_epoch, rewiring.every_n_steps, rewiring.fraction) == (False, 7, 0.0)
+    rewiring = build_callbacks(_compose(["dataset=synthetic"]), tmp_path)["rewiring"]
+    assert (rewiring.schedule, rewiring.exact_count) == ("authors", False)  # the authors' settings by default
 
 
 def test_the_best_checkpoint_and_early_stopping_watch_val_p3_as_the_config_says(tmp_path):
