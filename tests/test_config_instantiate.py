@@ -124,14 +124,17 @@ def test_the_configured_optimizer_is_keras_adam_and_an_older_runs_config_keeps_t
     from xmc_repro.optim import KerasAdam
 
     cfg = _compose([])
-    assert isinstance(build_model(cfg, _fake_data()).configure_optimizers()["optimizer"], KerasAdam)
+    optimizer = build_model(cfg, _fake_data()).configure_optimizers()["optimizer"]
+    assert isinstance(optimizer, KerasAdam)
+    assert optimizer.param_groups[0]["eps"] == 1e-7  # Keras's epsilon, not torch's 1e-8
     OmegaConf.set_struct(cfg, False)
     del cfg.trainer["adam_eps_placement"]  # a run's stored config from before the setting
     validate(cfg)
     assert type(build_model(cfg, _fake_data()).configure_optimizers()["optimizer"]) is torch.optim.Adam
 
 
-def test_the_unstructured_head_draws_with_replacement_and_an_older_runs_config_keeps_distinct_positions():
+def test_the_sparse_heads_draw_with_replacement_and_an_older_runs_config_keeps_distinct_positions():
+    assert build_model(_compose(["model=uniform"]), _fake_data()).head.distinct_sources is False  # the authors' draws
     cfg = _compose(["model=unstructured"])
     assert build_model(cfg, _fake_data()).head.distinct_sources is False
     OmegaConf.set_struct(cfg, False)
