@@ -245,6 +245,7 @@ def validate(cfg: DictConfig) -> None:
     if not cfg.get("resume"):  # a resumed run is its stored config, which no file fixes: it goes on as it started
         _names(cfg)
         _dataset_keys(cfg)
+        _best_filename(cfg)
     _dataset(cfg)
     if cfg.validate_on not in ("test", "holdout"):
         raise ConfigError(f"validate_on={cfg.validate_on!r} must be 'test' (the authors' protocol) or 'holdout'")
@@ -292,12 +293,13 @@ def _best_checkpoint(cfg: DictConfig) -> None:
         raise ConfigError(f"callbacks.best.monitor={monitor!r} is not a metric the run logs every epoch; choose one of "
                           f"{', '.join(MONITORED)}")
     choice(mode, "callbacks.best.mode", ("max", "min"))
-    # The run's folder also holds last.ckpt, written every epoch: a best checkpoint of that name overwrote it, so a
-    # resume continued from the best epoch and the test read whichever was written last. Not on resume: a run started
-    # with it before this check keeps its stored config, which no command line can change.
-    filename = best.get("filename")
-    if filename is not None and not cfg.get("resume") and (str(filename) in ("last", "")
-                                                          or Path(str(filename)).name != str(filename)):
+
+
+def _best_filename(cfg: DictConfig) -> None:
+    """The run's folder also holds last.ckpt, written every epoch: a best checkpoint of that name overwrote it, so a
+    resume continued from the best epoch and the test read whichever was written last."""
+    filename = cfg.callbacks.best.get("filename")
+    if filename is not None and (str(filename) in ("last", "") or Path(str(filename)).name != str(filename)):
         raise ConfigError(f"callbacks.best.filename={filename!r} must name a file of its own in the run's checkpoint "
                           "folder (not last, the checkpoint resume= continues from; no folders); e.g. best")
 
