@@ -115,7 +115,8 @@ def read_xc(path: str | Path, labels_only: bool = False) -> XCData:
     labels = LabelCSR(rows.label_ptr, rows.label_idx, num_labels).deduplicated()
     features = None if labels_only else rows.feature_matrix(num_features)
     blank_lines = None if labels_only else np.flatnonzero(rows.blank) + 2  # a labels-only blank: a point without labels
-    repeated = None if labels_only else rows.repeated_rows + 2
+    # lines that listed a feature index twice: sum_duplicates left them fewer entries
+    repeated = None if labels_only else np.flatnonzero(np.diff(features.indptr) < np.diff(rows.feat_ptr)) + 2
     return XCData(features, labels, num_features, path, blank_lines, repeated)
 
 
@@ -179,7 +180,6 @@ class _Rows:
         n = len(self.feat_ptr) - 1
         m = sp.csr_matrix((self.feat_val_all, self.feat_idx_all, self.feat_ptr), shape=(n, num_cols))
         m.sum_duplicates()  # also sorts the indices of each row
-        self.repeated_rows = np.flatnonzero(np.diff(m.indptr) < np.diff(self.feat_ptr))  # rows that lost entries
         return m
 
 
