@@ -11,7 +11,7 @@ ROOT = Path(__file__).resolve().parents[1]
 DOCS = ("README.md", "results/bench/README.md", "cuda_ext/README.md")
 # Runs quoted as earlier results, beside the commit they ran at; runs.csv holds a later run of each.
 EARLIER = {"f67a0253", "9f30c43e", "add998dc", "fd0cb40a", "11b0a2b2", "6e657728", "977a33b2", "6ccc7d9b",
-           "05ddd53c", "f39e37c3"}
+           "05ddd53c", "f39e37c3", "39c73260", "91296715", "02d68d99"}
 
 
 def _cited():
