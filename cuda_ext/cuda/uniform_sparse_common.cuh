@@ -17,10 +17,32 @@ struct Bf16 {
   uint16_t bits;
 };
 
+// Four consecutive inputs, converted to the accumulation type, in one or two vector loads (device code, for the
+// thread- and the warp-per-label kernels; p aligned to 4 values: see transpose_padded).
+__device__ __forceinline__ void load4(const float* p, float (&v)[4]) {
+  const float4 q = __ldg(reinterpret_cast<const float4*>(p));
+  v[0] = q.x; v[1] = q.y; v[2] = q.z; v[3] = q.w;
+}
+__device__ __forceinline__ void load4(const double* p, double (&v)[4]) {
+  const double2 a = __ldg(reinterpret_cast<const double2*>(p));
+  const double2 b = __ldg(reinterpret_cast<const double2*>(p) + 1);
+  v[0] = a.x; v[1] = a.y; v[2] = b.x; v[3] = b.y;
+}
+__device__ __forceinline__ void load4(const Bf16* p, float (&v)[4]) {
+  const uint2 q = __ldg(reinterpret_cast<const uint2*>(p));  // little endian: the first value is the low half
+  v[0] = __uint_as_float(q.x << 16); v[1] = __uint_as_float(q.x & 0xffff0000u);
+  v[2] = __uint_as_float(q.y << 16); v[3] = __uint_as_float(q.y & 0xffff0000u);
+}
+
 // x (batch, in) -> xt (in, bpad), rows beyond batch zero: one connection's inputs for the whole batch
-// are one contiguous row.
+// are one contiguous row. Its data are 16-byte aligned, so with bpad a multiple of 4 every 4 values from a
+// multiple of 4 are one load4: x itself is returned only then (x.t() is contiguous when in == 1, and a
+// view of x's storage may start anywhere).
 inline at::Tensor transpose_padded(const at::Tensor& x, int64_t bpad) {
-  if (bpad == x.size(0)) return x.t().contiguous();
+  if (bpad == x.size(0)) {
+    auto xt = x.t().contiguous();
+    if (reinterpret_cast<uintptr_t>(xt.const_data_ptr()) % 16 == 0) return xt;
+  }
   auto xt = x.new_zeros({x.size(1), bpad});
   xt.narrow(1, 0, x.size(0)).copy_(x.t());
   return xt;

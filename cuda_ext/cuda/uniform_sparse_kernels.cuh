@@ -21,22 +21,6 @@ constexpr int kThreads = 128;
 // The backward kernels measured faster without this (fewer registers, higher occupancy).
 constexpr int kUnroll = 4;
 
-// Four consecutive inputs, converted to the accumulation type (aligned to 4 values: bpad is a multiple of 4).
-__device__ __forceinline__ void load4(const float* p, float (&v)[4]) {
-  const float4 q = __ldg(reinterpret_cast<const float4*>(p));
-  v[0] = q.x; v[1] = q.y; v[2] = q.z; v[3] = q.w;
-}
-__device__ __forceinline__ void load4(const double* p, double (&v)[4]) {
-  const double2 a = __ldg(reinterpret_cast<const double2*>(p));
-  const double2 b = __ldg(reinterpret_cast<const double2*>(p) + 1);
-  v[0] = a.x; v[1] = a.y; v[2] = b.x; v[3] = b.y;
-}
-__device__ __forceinline__ void load4(const Bf16* p, float (&v)[4]) {
-  const uint2 q = __ldg(reinterpret_cast<const uint2*>(p));  // little endian: the first value is the low half
-  v[0] = __uint_as_float(q.x << 16); v[1] = __uint_as_float(q.x & 0xffff0000u);
-  v[2] = __uint_as_float(q.y << 16); v[3] = __uint_as_float(q.y & 0xffff0000u);
-}
-
 // p[0..3] += v[0..3] atomically; one vector atomic on sm_90+ when several lanes are nonzero.
 template <typename T>
 __device__ __forceinline__ void atomic_add4(T* p, const T (&v)[4]) {
