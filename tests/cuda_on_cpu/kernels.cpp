@@ -38,7 +38,7 @@ struct Reader {
   std::vector<T> take(int64_t n) {
     std::vector<T> out(n);
     if (at + n * sizeof(T) > bytes.size()) throw std::runtime_error("problem file too short");
-    std::memcpy(out.data(), bytes.data() + at, n * sizeof(T));
+    if (n > 0) std::memcpy(out.data(), bytes.data() + at, n * sizeof(T));  // no bias: out.data() may be null
     at += n * sizeof(T);
     return out;
   }
