@@ -73,7 +73,8 @@ def emulated(binary, tmp_path):
     ((17, 64, 33, 32), 0.0, torch.float32),
     ((5, 9, 70, 3), 0.3, torch.float64),
 ], ids=lambda v: "x".join(map(str, v)) if isinstance(v, tuple) else str(v))
-@pytest.mark.parametrize("family", ["threads", "rows", "rows-unroll2", "rows-unroll4", "rows-dense", "rows-sparse"])
+@pytest.mark.parametrize("family", ["threads", "rows", "rows-unroll2", "rows-unroll4", "rows-vec", "rows-dense",
+                                    "rows-sparse"])
 def test_kernel_source_matches_the_reference(emulated, family, shape, density, dtype):
     x, idx, w, b, g = sparse_layer_problem(*shape, density, dtype, seed=sum(shape))
     scores, grad_x, grad_wb = emulated(family, x, idx, w, b, g)
@@ -87,8 +88,31 @@ def test_the_unrolled_forwards_sum_in_the_same_order(emulated):
     order: the same bits as the op's warp-per-label forward."""
     x, idx, w, b, g = sparse_layer_problem(7, 90, 70, 37, 1.0, torch.float32, seed=11)
     scores = emulated("rows", x, idx, w, b, g)[0]
-    for family in ("rows-unroll2", "rows-unroll4"):
+    for family in ("rows-unroll2", "rows-unroll4", "rows-vec"):
         assert torch.equal(emulated(family, x, idx, w, b, g)[0], scores), family
+
+
+# (batch, inputs, labels, connectivity): batch 1, 5, 33 (a second chunk of one row), 37 (a second chunk whose last
+# 4-row group is partial), 64 (two whole chunks); labels below, not a multiple of, and above the 32-label tile;
+# connectivity 1, 3, 33 (a second tile of one) and 40, not a multiple of the 8 connections reduced together.
+VEC_SHAPES = [(1, 7, 5, 1), (5, 40, 70, 3), (33, 70, 45, 33), (37, 50, 33, 40), (64, 20, 40, 2)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16], ids=["f32", "f64", "bf16"])
+@pytest.mark.parametrize("shape", VEC_SHAPES, ids=["x".join(map(str, s)) for s in VEC_SHAPES])
+def test_the_vector_kernels_match_the_warp_per_label_ones(emulated, shape, dtype):
+    """rows-vec (8 lanes per label, 4 batch rows per lane, xmc_bench::rows_forward_vec / rows_backward_weight_vec):
+    the forward in the same bits as the op's warp-per-label forward (the same sums in the same order; bf16 inputs
+    widened to the same float32), the weight and bias gradients as the reference's (their sums are ordered
+    otherwise), on gradients with zeros (skipped) and without."""
+    x, idx, w, b, g = sparse_layer_problem(*shape, 0.3 if shape[0] % 2 else 1.0,
+                                           torch.float32 if dtype == torch.bfloat16 else dtype, seed=sum(shape))
+    x = x.to(dtype)
+    xr = x.float() if dtype == torch.bfloat16 else x  # the values the kernels gather
+    scores, _, grad_wb = emulated("rows-vec", x, idx, w, b, g)
+    assert torch.equal(scores, emulated("rows", x, idx, w, b, g)[0])
+    torch.testing.assert_close(scores, reference.forward(xr, idx, w, b))
+    torch.testing.assert_close(grad_wb, reference.backward_weight(g, xr, idx))
 
 
 def test_the_warp_per_label_input_backward_takes_each_tiles_way_by_its_density(emulated):
@@ -106,7 +130,7 @@ def test_the_warp_per_label_input_backward_takes_each_tiles_way_by_its_density(e
         torch.testing.assert_close(emulated(family, x, idx, w, b, g)[1], expected, msg=family)
 
 
-@pytest.mark.parametrize("family", ["threads", "rows", "rows-unroll4"])
+@pytest.mark.parametrize("family", ["threads", "rows", "rows-unroll4", "rows-vec"])
 def test_kernel_source_gathers_bf16_inputs_as_their_float32_values(emulated, family):
     x, idx, w, b, g = sparse_layer_problem(9, 50, 40, 6, 0.3, torch.float32, seed=5)
     xb = x.bfloat16()

@@ -14,7 +14,7 @@ import torch
 from conftest import sparse_layer_problem
 
 from xmc_repro.sparse import reference
-from xmc_repro.sparse.op import ROWS_PHASES, backend, ensure_registered
+from xmc_repro.sparse.op import ROWS_PHASES, backend, ensure_registered, rows_phases
 
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")]
 
@@ -46,16 +46,21 @@ def test_rows_kernels_match_the_reference_and_the_op(ops, shape, density, dtype)
         out = ops.rows_forward(x, idx, w, bias)
         torch.testing.assert_close(out, reference.forward(x, idx, w, bias))
         torch.testing.assert_close(out, op.forward(x, idx, w, bias))
-        for unrolled in (ops.rows_forward_unroll2, ops.rows_forward_unroll4):  # the benchmark's variants
-            assert torch.equal(unrolled(x, idx, w, bias), out)  # more gathers in flight, the same sum order
+        # the benchmark's variants: more gathers in flight, or 4 batch rows per lane; the same sums in the same order
+        for variant in (ops.rows_forward_unroll2, ops.rows_forward_unroll4, ops.rows_forward_vec):
+            assert torch.equal(variant(x, idx, w, bias), out)
     grad_x = ops.rows_backward_input(g, idx, w, inputs)
     torch.testing.assert_close(grad_x, reference.backward_input(g, idx, w, inputs))
     torch.testing.assert_close(grad_x, op.backward_input(g, idx, w, inputs))
     grad_wb = ops.rows_backward_weight(g, x, idx)  # weights and bias
     torch.testing.assert_close(grad_wb, reference.backward_weight(g, x, idx))
     torch.testing.assert_close(grad_wb, op.backward_weight(g, x, idx))
+    grad_wb_vec = ops.rows_backward_weight_vec(g, x, idx)  # the benchmark's variant, its sums in another order
+    torch.testing.assert_close(grad_wb_vec, reference.backward_weight(g, x, idx))
+    torch.testing.assert_close(grad_wb_vec, grad_wb)
     if density == 0.0:  # every label skipped, nothing left unwritten
         assert not grad_x.any() and not grad_wb[0].any() and not grad_wb[1].any()
+        assert not grad_wb_vec[0].any() and not grad_wb_vec[1].any()
 
 
 @pytest.mark.parametrize("shape", [(1, 7, 5, 3), (5, 300, 1001, 7), (33, 64, 257, 32)])
@@ -67,6 +72,35 @@ def test_rows_kernels_with_bf16_inputs_equal_float32_on_the_rounded_inputs(ops, 
     torch.testing.assert_close(out, reference.forward(xb.float(), idx, w, b), rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(ops.rows_backward_weight(g, xb, idx), reference.backward_weight(g, xb.float(), idx),
                                rtol=1e-5, atol=1e-5)
+    assert torch.equal(ops.rows_forward_vec(xb, idx, w, b), out)
+    torch.testing.assert_close(ops.rows_backward_weight_vec(g, xb, idx),
+                               reference.backward_weight(g, xb.float(), idx), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16], ids=["f32", "f64", "bf16"])
+@pytest.mark.parametrize("batch", [8, 32])
+def test_kernels_with_vector_loads_take_an_input_whose_storage_starts_unaligned(ops, batch, dtype):
+    """One input feature and a batch that needs no padding: the transposed input is x itself, here a view that
+    starts one value into its storage, so a 16-byte (8 for bf16) vector load from it would be misaligned; it is
+    copied first. The op on its thread-per-label kernels (whose gathers are all vector loads) and the benchmark's
+    vector kernels."""
+    wdtype = torch.float32 if dtype == torch.bfloat16 else dtype
+    _, idx, w, b, g = _problem(batch, 1, 40, 3, 1.0, wdtype, seed=batch)
+    x = torch.randn(batch + 1, dtype=wdtype, device="cuda").to(dtype)[1:].view(batch, 1)
+    assert x.is_contiguous() and x.storage_offset() == 1
+    xr = x.float() if dtype == torch.bfloat16 else x
+    tol = {"rtol": 1e-5, "atol": 1e-5} if dtype == torch.bfloat16 else {}
+    want_out, want_wb = reference.forward(xr, idx, w, b), reference.backward_weight(g, xr, idx)
+    torch.testing.assert_close(ops.rows_forward_vec(x, idx, w, b), want_out, **tol)
+    torch.testing.assert_close(ops.rows_backward_weight_vec(g, x, idx), want_wb, **tol)
+    ops.use_rows_kernels(0)  # XMC_SPARSE_KERNELS=threads, in this process
+    try:
+        torch.testing.assert_close(torch.ops.xmc_sparse.forward(x, idx, w, b), want_out, **tol)
+        torch.testing.assert_close(torch.ops.xmc_sparse.backward_weight(g, x, idx), want_wb, **tol)
+        torch.cuda.synchronize()  # a misaligned load fails the launch, reported here
+    finally:
+        phases = rows_phases(os.environ.get("XMC_SPARSE_KERNELS"))
+        ops.use_rows_kernels(sum(1 << ROWS_PHASES.index(phase) for phase in phases))
 
 
 def test_rows_kernels_check_their_inputs_as_the_op_does(ops):

@@ -1,7 +1,8 @@
 // Host side of the warp-per-label kernels (uniform_sparse_rows_kernels.cuh), measured against the
 // thread-per-label kernels (uniform_sparse_cuda.cu) by xmc_repro.bench (methods `uniform-rows` and
 // `uniform-rows-bf16`). Registered as xmc_bench::rows_forward / rows_backward_input / rows_backward_weight,
-// with the schemas of xmc_sparse::forward / backward_input / backward_weight; the op runs them in the phases
+// with the schemas of xmc_sparse::forward / backward_input / backward_weight (and the benchmark's variants
+// rows_forward_unroll2/4, rows_forward_vec and rows_backward_weight_vec); the op runs them in the phases
 // of xmc_bench::use_rows_kernels(mask), which xmc_repro.sparse.op sets from XMC_SPARSE_KERNELS (unset:
 // forward and input backward).
 #include <c10/cuda/CUDAException.h>
@@ -26,6 +27,8 @@ std::atomic<int> rows_phases{0};  // RowsPhase bits
 
 bool rows_kernels(RowsPhase phase) { return (rows_phases.load(std::memory_order_relaxed) & phase) != 0; }
 
+// The forward's variants for the benchmark: Unroll connections' gathers in flight, or (Unroll = 0) 8 lanes per
+// label with 4 batch rows each (forward_vec_kernel).
 template <int Unroll>
 at::Tensor rows_forward_unrolled(const at::Tensor& x, const at::Tensor& indices, const at::Tensor& weight,
                                  const std::optional<at::Tensor>& bias) {
@@ -40,7 +43,9 @@ at::Tensor rows_forward_unrolled(const at::Tensor& x, const at::Tensor& indices,
     using T = decltype(t);
     using TX = decltype(tx);
     const auto stream = c10::cuda::getCurrentCUDAStream();
-    rows::forward_kernel<T, TX, Unroll><<<rows::tiles(labels), rows::kThreads, 0, stream>>>(
+    const auto kernel =
+        Unroll == 0 ? rows::forward_vec_kernel<T, TX> : rows::forward_kernel<T, TX, Unroll ? Unroll : 1>;
+    kernel<<<rows::tiles(labels), rows::kThreads, 0, stream>>>(
         data_as<TX>(xt), indices.const_data_ptr<int32_t>(), weight.const_data_ptr<T>(),
         bias.has_value() ? bias->const_data_ptr<T>() : nullptr, out.mutable_data_ptr<T>(), batch, bpad, conn, labels);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
@@ -70,8 +75,10 @@ at::Tensor rows_backward_input_cuda(const at::Tensor& grad_out, const at::Tensor
   return gxt.narrow(1, 0, batch).t().contiguous();
 }
 
-std::tuple<at::Tensor, at::Tensor> rows_backward_weight_cuda(const at::Tensor& grad_out, const at::Tensor& x,
-                                                             const at::Tensor& indices) {
+// Vec: backward_weight_vec_kernel (the benchmark's xmc_bench::rows_backward_weight_vec).
+template <bool Vec>
+std::tuple<at::Tensor, at::Tensor> rows_backward_weight(const at::Tensor& grad_out, const at::Tensor& x,
+                                                        const at::Tensor& indices) {
   check_backward_weight(grad_out, x, indices);
   const c10::cuda::CUDAGuard guard(grad_out.device());
   const int64_t batch = grad_out.size(0), conn = indices.size(0), labels = indices.size(1);
@@ -83,12 +90,18 @@ std::tuple<at::Tensor, at::Tensor> rows_backward_weight_cuda(const at::Tensor& g
   with_types(x, grad_out, [&](auto t, auto tx) {
     using T = decltype(t);
     using TX = decltype(tx);
-    rows::backward_weight_kernel<T, TX><<<rows::tiles(labels), rows::kThreads, 0, c10::cuda::getCurrentCUDAStream()>>>(
+    const auto kernel = Vec ? rows::backward_weight_vec_kernel<T, TX> : rows::backward_weight_kernel<T, TX>;
+    kernel<<<rows::tiles(labels), rows::kThreads, 0, c10::cuda::getCurrentCUDAStream()>>>(
         grad_out.const_data_ptr<T>(), data_as<TX>(xt), indices.const_data_ptr<int32_t>(),
         grad_w.mutable_data_ptr<T>(), grad_b.mutable_data_ptr<T>(), batch, bpad, conn, labels);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   });
   return {grad_w, grad_b};
+}
+
+std::tuple<at::Tensor, at::Tensor> rows_backward_weight_cuda(const at::Tensor& grad_out, const at::Tensor& x,
+                                                             const at::Tensor& indices) {
+  return rows_backward_weight<false>(grad_out, x, indices);
 }
 
 }  // namespace xmc_sparse
@@ -97,8 +110,10 @@ TORCH_LIBRARY_FRAGMENT(xmc_bench, m) {  // the op's own schemas (schema.h), name
   for (const std::string schema : xmc_sparse::kSchemas) {
     if (schema.rfind("squared_hinge", 0) == 0) continue;
     m.def(("rows_" + schema).c_str());
-    if (schema.rfind("forward", 0) == 0)  // the forward with more gathers in flight, for the benchmark
-      for (const std::string unroll : {"2", "4"}) m.def(("rows_forward_unroll" + unroll + schema.substr(7)).c_str());
+    if (schema.rfind("forward", 0) == 0)  // the forward's variants, for the benchmark
+      for (const std::string variant : {"_unroll2", "_unroll4", "_vec"})
+        m.def(("rows_forward" + variant + schema.substr(7)).c_str());
+    if (schema.rfind("backward_weight", 0) == 0) m.def(("rows_backward_weight_vec" + schema.substr(15)).c_str());
   }
   m.def("use_rows_kernels(int phases) -> ()", [](int64_t phases) {
     TORCH_CHECK(phases >= 0 && phases <= 7, "use_rows_kernels: a mask of forward (1), backward_input (2) and "
@@ -111,6 +126,8 @@ TORCH_LIBRARY_IMPL(xmc_bench, CUDA, m) {
   m.impl("rows_forward", &xmc_sparse::rows_forward_cuda);
   m.impl("rows_forward_unroll2", &xmc_sparse::rows_forward_unrolled<2>);
   m.impl("rows_forward_unroll4", &xmc_sparse::rows_forward_unrolled<4>);
+  m.impl("rows_forward_vec", &xmc_sparse::rows_forward_unrolled<0>);
   m.impl("rows_backward_input", &xmc_sparse::rows_backward_input_cuda);
   m.impl("rows_backward_weight", &xmc_sparse::rows_backward_weight_cuda);
+  m.impl("rows_backward_weight_vec", &xmc_sparse::rows_backward_weight<true>);
 }

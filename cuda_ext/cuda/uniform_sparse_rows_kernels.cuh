@@ -101,6 +101,59 @@ __global__ void __launch_bounds__(kThreads) forward_kernel(
   }
 }
 
+// The forward with 8 lanes per label and 4 batch rows per lane (benchmark only, xmc_bench::rows_forward_vec):
+// forward_kernel's lanes spend about 40 instructions per connection on 8 gathers of one value each (shared index
+// and weight loads, 64-bit address, load, FMA), and the H200's counters show it bound by instruction issue, not
+// by L2. Here lane = 8q + s takes rows 4s..4s+3 of the chunk for label q of a group of 4 (the warp's 8 labels in
+// 2 groups): one load4 per connection and label gathers 4 values, one warp instruction 4 whole rows. The sums
+// run in forward_kernel's order (k ascending, acc += w * x per output), so the results are the same bits.
+template <typename T, typename TX>
+__global__ void __launch_bounds__(kThreads) forward_vec_kernel(
+    const TX* __restrict__ xt, const int32_t* __restrict__ idx, const T* __restrict__ w,
+    const T* __restrict__ bias, T* __restrict__ out, int batch, int bpad, int conn, int labels) {
+  constexpr int kGroups = kLabelsPerWarp / 4;
+  __shared__ int32_t s_idx[kWarp][kTile];
+  __shared__ T s_w[kWarp][kTile];
+  __shared__ T s_out[kWarp][kTile + 1];
+  const int lane = threadIdx.x % kWarp, warp = threadIdx.x / kWarp, j0 = blockIdx.x * kTile;
+  const int q = lane / 8, r0 = 4 * (lane % 8);  // label in the group, first of the lane's 4 rows
+  for (int c0 = 0; c0 < batch; c0 += kWarp) {
+    // Lanes past the batch read the row's last 4 values instead (bpad is a multiple of 8: row_pad), whose sector a
+    // lane within the batch reads anyway (float32, bf16): no branch, no extra traffic; their sums are not stored.
+    const TX* xc = xt + min(c0 + r0, bpad - 4);
+    T acc[kGroups][4] = {};
+    for (int k0 = 0; k0 < conn; k0 += kWarp) {
+      __syncthreads();  // the previous chunk's tiles are read
+      stage_tile(idx, conn, labels, k0, j0, s_idx);
+      stage_tile(w, conn, labels, k0, j0, s_w);
+      __syncthreads();
+      const int kn = min(kWarp, conn - k0);
+      for (int k = 0; k < kn; ++k) {
+#pragma unroll
+        for (int g = 0; g < kGroups; ++g) {
+          const int l = warp * kLabelsPerWarp + 4 * g + q;
+          T v[4];
+          load4(xc + static_cast<int64_t>(s_idx[k][l]) * bpad, v);
+#pragma unroll
+          for (int i = 0; i < 4; ++i) acc[g][i] += s_w[k][l] * v[i];
+        }
+      }
+    }
+    __syncthreads();  // s_out's previous readers are done
+#pragma unroll
+    for (int g = 0; g < kGroups; ++g) {
+      const int l = warp * kLabelsPerWarp + 4 * g + q;
+      const T b = bias && j0 + l < labels ? bias[j0 + l] : T(0);
+#pragma unroll
+      for (int i = 0; i < 4; ++i) s_out[r0 + i][l] = acc[g][i] + b;
+    }
+    __syncthreads();
+    for (int r = warp; r < kWarp; r += kWarps)
+      if (c0 + r < batch && j0 + lane < labels)
+        out[static_cast<int64_t>(c0 + r) * labels + j0 + lane] = s_out[r][lane];
+  }
+}
+
 // grad_xt[indices[k, j], b] += weight[k, j] * grad_out[b, j], per tile of 32 labels x 32 batch rows one of two ways:
 // - dense: a warp per label, one warp-wide atomic add of a 128-byte row per connection (one L2 request for up to
 //   32 values); labels whose gradient is zero for the whole chunk are skipped;
@@ -179,10 +232,12 @@ __global__ void __launch_bounds__(kThreads) backward_input_kernel(
   }
 }
 
-// v[t] on each lane -> v[0] on lane k: the sum over lanes of v[k] (31 shuffles for 32 sums). At step S a
-// lane keeps one half of its 2S values, adds its partner's copy of that half and hands over the other.
-template <int S, typename T>
-__device__ __forceinline__ void transpose_sum(T (&v)[kWarp]) {
+// v[t] on each lane -> v[0] on lane k: the sum over lanes of v[k] (31 shuffles for 32 sums; with S = 4 on 8
+// values, over each aligned group of 8 lanes, 7 shuffles). At step S a lane keeps one half of its 2S values, adds
+// its partner's copy of that half and hands over the other.
+template <int S, typename T, int N>
+__device__ __forceinline__ void transpose_sum(T (&v)[N]) {
+  static_assert(2 * S <= N, "2S values per lane");
   const bool upper = threadIdx.x & S;
 #pragma unroll
   for (int t = 0; t < S; ++t) {
@@ -240,7 +295,75 @@ __global__ void __launch_bounds__(kThreads) backward_weight_kernel(
   }
 }
 
-// Rows of xt padded to whole 32-byte sectors; blocks (of kThreads) for `labels`.
+// The weight gradient in forward_vec_kernel's layout (benchmark only, xmc_bench::rows_backward_weight_vec): lane
+// 8q + s multiplies rows 4s..4s+3 of connection k's input row (one load4) with its label's 4 staged gradients, for
+// 8 connections at a time; one transposing reduction over its 8 lanes (7 shuffles) leaves connection k0 + 8c + s's
+// sum on lane s. backward_weight_kernel's 32 products per lane and label cost a load each; here a load gathers 4.
+// The bias gradient as there.
+template <typename T, typename TX>
+__global__ void __launch_bounds__(kThreads) backward_weight_vec_kernel(
+    const T* __restrict__ g, const TX* __restrict__ xt, const int32_t* __restrict__ idx, T* __restrict__ gw,
+    T* __restrict__ gb, int batch, int bpad, int conn, int labels) {
+  constexpr int kGroups = kLabelsPerWarp / 4, kBlocks = kWarp / 8;
+  __shared__ int32_t s_idx[kWarp][kTile];
+  __shared__ T s_g[kWarp][kTile + 1];
+  __shared__ T s_gw[kWarp][kTile + 1];
+  const int lane = threadIdx.x % kWarp, warp = threadIdx.x / kWarp, j0 = blockIdx.x * kTile;
+  const int q = lane / 8, s = lane % 8;
+  for (int k0 = 0; k0 < conn; k0 += kWarp) {
+    __syncthreads();
+    stage_tile(idx, conn, labels, k0, j0, s_idx);
+    const int kn = min(kWarp, conn - k0);
+    T sums[kGroups][kBlocks] = {};  // lane 8q + s: connection k0 + 8c + s of label 4g + q
+    T bias_sum = T(0);              // thread t < kTile: label j0 + t, while k0 == 0
+    for (int c0 = 0; c0 < batch; c0 += kWarp) {
+      __syncthreads();
+      stage_tile(g, batch, labels, c0, j0, s_g);
+      __syncthreads();
+      if (k0 == 0 && threadIdx.x < kTile)
+        for (int r = 0; r < kWarp; ++r) bias_sum += s_g[r][threadIdx.x];  // zero beyond the batch
+      const TX* xc = xt + c0 + 4 * s;
+#pragma unroll
+      for (int grp = 0; grp < kGroups; ++grp) {
+        const int l = warp * kLabelsPerWarp + 4 * grp + q;
+        T gv[4];
+#pragma unroll
+        for (int i = 0; i < 4; ++i) gv[i] = s_g[4 * s + i][l];
+        // zero beyond the batch: a lane with no nonzero gradient loads nothing
+        const bool any = gv[0] != T(0) || gv[1] != T(0) || gv[2] != T(0) || gv[3] != T(0);
+        if (!__any_sync(kAll, any)) continue;
+#pragma unroll
+        for (int c = 0; c < kBlocks; ++c) {
+          if (8 * c >= kn) continue;  // not break: the loop stays unrolled, sums[grp][c] in registers
+          T prod[8];
+#pragma unroll
+          for (int t = 0; t < 8; ++t) {
+            const int k = 8 * c + t;
+            prod[t] = T(0);
+            if (k < kn && any) {
+              T v[4];
+              load4(xc + static_cast<int64_t>(s_idx[k][l]) * bpad, v);
+              prod[t] = gv[0] * v[0] + gv[1] * v[1] + gv[2] * v[2] + gv[3] * v[3];
+            }
+          }
+          transpose_sum<4>(prod);
+          sums[grp][c] += prod[0];
+        }
+      }
+    }
+    if (k0 == 0 && threadIdx.x < kTile && j0 + threadIdx.x < labels) gb[j0 + threadIdx.x] = bias_sum;
+#pragma unroll
+    for (int grp = 0; grp < kGroups; ++grp)
+#pragma unroll
+      for (int c = 0; c < kBlocks; ++c) s_gw[8 * c + s][warp * kLabelsPerWarp + 4 * grp + q] = sums[grp][c];
+    __syncthreads();
+    for (int r = warp; r < kn; r += kWarps)
+      if (j0 + lane < labels) gw[static_cast<int64_t>(k0 + r) * labels + j0 + lane] = s_gw[r][lane];
+  }
+}
+
+// Rows of xt padded to whole 32-byte sectors (a multiple of 8 values: the vector kernels' 4 rows from a multiple of
+// 4 are aligned and lie within a row); blocks (of kThreads) for `labels`.
 inline int64_t row_pad(int64_t batch) { return (batch + 7) / 8 * 8; }
 inline unsigned tiles(int64_t labels) { return static_cast<unsigned>((labels + kTile - 1) / kTile); }
 
