@@ -7,7 +7,8 @@
 # 3. the layer benchmark at the headline shape (670,091 labels, 16,384 inputs, 32, batch 32; squared-hinge and BCE
 #    gradients), float32 and bf16 inputs, the op on its thread-per-label kernels (XMC_SPARSE_KERNELS=threads)
 #    beside the warp-per-label ones (uniform-rows; and their forward with 2 or 4 connections' gathers in flight,
-#    uniform-rows-unroll2/4), torch CSR and dense, with the L2 read bandwidth of the probe kernel; its last line
+#    uniform-rows-unroll2/4; their forward and weight gradient with 4 batch rows per lane, uniform-rows-vec and
+#    uniform-rows-vec-bf16), torch CSR and dense, with the L2 read bandwidth of the probe kernel; its last line
 #    names the faster kernels per phase; then each of those kernels once under ncu, where the machine has it
 #    (step `counters`, scripts/gpu_kernel_counters.py: L1, L2 and DRAM throughput, occupancy, warp stalls),
 # 4. memory: 20,000 points of the pipeline at Amazon-670K's shape with a rewiring every 50 steps, graphed and
@@ -101,7 +102,7 @@ step tests 200 python3 -m pytest -m cuda ${TESTS:-tests} -q -p no:cacheprovider
 # the op on its thread-per-label kernels in every phase, beside the warp-per-label ones: which is faster where
 step layer 100 env XMC_SPARSE_KERNELS=threads python3 -m xmc_repro.bench --device cuda --out results/bench \
   --max-cases ${LAYER_CASES:-2} \
-  --methods uniform,uniform-bf16,uniform-rows,uniform-rows-bf16,uniform-rows-unroll2,uniform-rows-unroll4,csr,dense
+  --methods uniform,uniform-bf16,uniform-rows,uniform-rows-bf16,uniform-rows-unroll2,uniform-rows-unroll4,uniform-rows-vec,uniform-rows-vec-bf16,csr,dense
 # what bounds each of those kernels, from the hardware counters (ncu, where the machine has it; else they only run)
 NCU=$(command -v ncu || ls /usr/local/cuda*/bin/ncu /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
 step counters 120 env XMC_SPARSE_KERNELS=threads ${NCU:+"$NCU" --kernel-name-base demangled --kernel-name \

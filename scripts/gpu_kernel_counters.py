@@ -29,9 +29,12 @@ RUNS = (
     ("uniform-rows-bf16", "forward", "hinge"),
     ("uniform-rows-unroll2", "forward", "hinge"),
     ("uniform-rows-unroll4", "forward", "hinge"),
+    ("uniform-rows-vec", "forward", "hinge"),
+    ("uniform-rows-vec-bf16", "forward", "hinge"),
     ("uniform-rows", "backward_input", "hinge"),
     ("uniform-rows", "backward_input", "bce"),
     ("uniform-rows", "backward_weight", "hinge"),
+    ("uniform-rows-vec", "backward_weight", "hinge"),
 )
 
 

@@ -218,6 +218,29 @@ def test_the_candidate_kernels_are_benchmarked_beside_the_op_and_compute_what_it
     assert all("x_l2_floor" in r for r in rows if "ms" in r)
 
 
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+def test_the_vector_kernels_are_timed_in_forward_and_weight_gradient_and_compute_what_the_reference_does():
+    from xmc_repro.sparse import op
+
+    if not op.backend("cuda").startswith("compiled-cuda"):
+        pytest.skip("no compiled CUDA kernels")
+    device = torch.device("cuda")
+    case = bench.Case(300, 64, 5, 37, "bce", ("uniform",))
+    p = bench.make_problem(case, device)
+    for name in bench.VEC:
+        phases = bench.build_method(name, case, p, device)
+        assert set(phases) == {"forward", "backward_weight"}, name
+        x = p["x"].bfloat16().float() if name.endswith("bf16") else p["x"]
+        torch.testing.assert_close(phases["forward"](), reference.forward(x, p["idx"], p["w"], p["b"]),
+                                   rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(phases["backward_weight"](), reference.backward_weight(p["g"], x, p["idx"]),
+                                   rtol=1e-5, atol=1e-5)
+    rows = bench.run_case(case, device, 1e12, warmup=1, repeats=2, methods=set(bench.VEC), l2=5e12)
+    assert {(r["method"], r["phase"]) for r in rows if "ms" in r} == {
+        (m, phase) for m in bench.VEC for phase in ("forward", "backward_weight")}
+
+
 def test_rows_choice_picks_each_phases_faster_kernels_over_the_cases_that_timed_both():
     from xmc_repro.bench import ROWS, rows_choice
 
