@@ -133,4 +133,6 @@ def test_the_cuda_sources_compile_without_a_gpu():
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     for source in build.SOURCES_CUDA:
         assert f"{Path(source).name}: compiled" in result.stdout
-    assert "rows::forward_kernel<float, Bf16, 1>" in result.stdout
+    for kernel in ("rows::forward_kernel<float, Bf16, 1>", "rows::forward_vec_kernel<float, Bf16>",
+                   "rows::backward_weight_vec_kernel<float, Bf16>"):
+        assert kernel in result.stdout, kernel
