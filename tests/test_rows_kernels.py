@@ -79,15 +79,17 @@ def test_rows_kernels_with_bf16_inputs_equal_float32_on_the_rounded_inputs(ops, 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16], ids=["f32", "f64", "bf16"])
 @pytest.mark.parametrize("batch", [8, 32])
-def test_kernels_with_vector_loads_take_an_input_whose_storage_starts_unaligned(ops, batch, dtype):
-    """One input feature and a batch that needs no padding: the transposed input is x itself, here a view that
-    starts one value into its storage, so a 16-byte (8 for bf16) vector load from it would be misaligned; it is
-    copied first. The op on its thread-per-label kernels (whose gathers are all vector loads) and the benchmark's
-    vector kernels."""
+@pytest.mark.parametrize("in_features", [1, 5])
+def test_kernels_with_vector_loads_take_an_input_whose_storage_starts_unaligned(ops, batch, in_features, dtype):
+    """A batch that needs no padding and an x whose transpose is contiguous (one input feature, or x itself a
+    transposed tensor): the transposed input is then a view of x, here one that starts one value into its storage,
+    so a 16-byte (8 for bf16) vector load from it would be misaligned; it is copied first. The op on its
+    thread-per-label kernels (whose gathers are all vector loads) and the benchmark's vector kernels."""
     wdtype = torch.float32 if dtype == torch.bfloat16 else dtype
-    _, idx, w, b, g = _problem(batch, 1, 40, 3, 1.0, wdtype, seed=batch)
-    x = torch.randn(batch + 1, dtype=wdtype, device="cuda").to(dtype)[1:].view(batch, 1)
-    assert x.is_contiguous() and x.storage_offset() == 1
+    _, idx, w, b, g = _problem(batch, in_features, 40, 3, 1.0, wdtype, seed=batch)
+    storage = torch.randn(in_features * batch + 1, dtype=wdtype, device="cuda").to(dtype)
+    x = storage[1:].view(in_features, batch).t()
+    assert x.t().is_contiguous() and x.storage_offset() == 1
     xr = x.float() if dtype == torch.bfloat16 else x
     tol = {"rtol": 1e-5, "atol": 1e-5} if dtype == torch.bfloat16 else {}
     want_out, want_wb = reference.forward(xr, idx, w, b), reference.backward_weight(g, xr, idx)

@@ -36,8 +36,8 @@ __device__ __forceinline__ void load4(const Bf16* p, float (&v)[4]) {
 
 // x (batch, in) -> xt (in, bpad), rows beyond batch zero: one connection's inputs for the whole batch
 // are one contiguous row. Its data are 16-byte aligned, so with bpad a multiple of 4 every 4 values from a
-// multiple of 4 are one load4: x itself is returned only then (x.t() is contiguous when in == 1, and a
-// view of x's storage may start anywhere).
+// multiple of 4 are one load4: a view of x is returned only then (x.t() is contiguous when in == 1 or x is
+// itself a transposed tensor, and a view may start anywhere).
 inline at::Tensor transpose_padded(const at::Tensor& x, int64_t bpad) {
   if (bpad == x.size(0)) {
     auto xt = x.t().contiguous();
