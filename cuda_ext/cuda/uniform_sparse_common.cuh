@@ -65,16 +65,27 @@ const TX* data_as(const at::Tensor& t) {
   return reinterpret_cast<const TX*>(t.const_data_ptr());
 }
 
-// The warp-per-label kernels, and which of the op's three CUDA kernels hand over to them: a mask of the
-// phases below, set by xmc_bench::use_rows_kernels, which xmc_repro/sparse/op.py calls for
-// XMC_SPARSE_KERNELS=rows (all three) or rows:<phases>.
-enum RowsPhase : int { kRowsForward = 1, kRowsBackwardInput = 2, kRowsBackwardWeight = 4 };
-bool rows_kernels(RowsPhase phase);
+// The warp-per-label kernels, and which of the op's three CUDA kernels hand over to them: a mask of the bits
+// below, set by xmc_bench::use_rows_kernels, which xmc_repro/sparse/op.py calls for XMC_SPARSE_KERNELS (rows:<phases>,
+// vec:<phases>; KERNEL_BITS there). A phase with both its rows and its vec bit runs vec.
+enum KernelChoice : int {
+  kRowsForward = 1,
+  kRowsBackwardInput = 2,
+  kRowsBackwardWeight = 4,
+  kVecForward = 8,  // 8 lanes per label, 4 batch rows per lane (forward_vec_kernel)
+  kVecBackwardWeight = 16,
+};
+constexpr int kAllKernelChoices = 31;
+bool chosen(KernelChoice bit);
 at::Tensor rows_forward_cuda(const at::Tensor& x, const at::Tensor& indices, const at::Tensor& weight,
                              const std::optional<at::Tensor>& bias);
+at::Tensor rows_forward_vec_cuda(const at::Tensor& x, const at::Tensor& indices, const at::Tensor& weight,
+                                 const std::optional<at::Tensor>& bias);
 at::Tensor rows_backward_input_cuda(const at::Tensor& grad_out, const at::Tensor& indices, const at::Tensor& weight,
                                     int64_t in_features);
 std::tuple<at::Tensor, at::Tensor> rows_backward_weight_cuda(const at::Tensor& grad_out, const at::Tensor& x,
                                                              const at::Tensor& indices);
+std::tuple<at::Tensor, at::Tensor> rows_backward_weight_vec_cuda(const at::Tensor& grad_out, const at::Tensor& x,
+                                                                 const at::Tensor& indices);
 
 }  // namespace xmc_sparse

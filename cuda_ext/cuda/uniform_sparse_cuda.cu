@@ -1,6 +1,7 @@
 // Host side of the uniform sparse op's CUDA kernels (uniform_sparse_kernels.cuh): argument checks, the
 // transposed inputs, the batch-chunk width, the launches, and the hand-over to the warp-per-label
-// kernels in the phases XMC_SPARSE_KERNELS names (uniform_sparse_rows_cuda.cu; by default forward and input backward).
+// kernels (or their vec variants) in the phases XMC_SPARSE_KERNELS names (uniform_sparse_rows_cuda.cu; by default
+// forward and input backward on the warp-per-label ones).
 #include <ATen/Dispatch.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -18,7 +19,8 @@ using namespace threads;
 
 at::Tensor forward_cuda(const at::Tensor& x, const at::Tensor& indices, const at::Tensor& weight,
                         const std::optional<at::Tensor>& bias) {
-  if (rows_kernels(kRowsForward)) return rows_forward_cuda(x, indices, weight, bias);
+  if (chosen(kVecForward)) return rows_forward_vec_cuda(x, indices, weight, bias);
+  if (chosen(kRowsForward)) return rows_forward_cuda(x, indices, weight, bias);
   check_forward(x, indices, weight, bias);
   const c10::cuda::CUDAGuard guard(x.device());
   const int64_t batch = x.size(0), conn = indices.size(0), labels = indices.size(1);
@@ -44,7 +46,7 @@ at::Tensor forward_cuda(const at::Tensor& x, const at::Tensor& indices, const at
 
 at::Tensor backward_input_cuda(const at::Tensor& grad_out, const at::Tensor& indices, const at::Tensor& weight,
                                int64_t in_features) {
-  if (rows_kernels(kRowsBackwardInput)) return rows_backward_input_cuda(grad_out, indices, weight, in_features);
+  if (chosen(kRowsBackwardInput)) return rows_backward_input_cuda(grad_out, indices, weight, in_features);
   check_backward_input(grad_out, indices, weight);
   const c10::cuda::CUDAGuard guard(grad_out.device());
   const int64_t batch = grad_out.size(0), conn = indices.size(0), labels = indices.size(1);
@@ -66,7 +68,8 @@ at::Tensor backward_input_cuda(const at::Tensor& grad_out, const at::Tensor& ind
 
 std::tuple<at::Tensor, at::Tensor> backward_weight_cuda(const at::Tensor& grad_out, const at::Tensor& x,
                                                         const at::Tensor& indices) {
-  if (rows_kernels(kRowsBackwardWeight)) return rows_backward_weight_cuda(grad_out, x, indices);
+  if (chosen(kVecBackwardWeight)) return rows_backward_weight_vec_cuda(grad_out, x, indices);
+  if (chosen(kRowsBackwardWeight)) return rows_backward_weight_cuda(grad_out, x, indices);
   check_backward_weight(grad_out, x, indices);
   const c10::cuda::CUDAGuard guard(grad_out.device());
   const int64_t batch = grad_out.size(0), conn = indices.size(0), labels = indices.size(1);

@@ -4,7 +4,7 @@
 // with the schemas of xmc_sparse::forward / backward_input / backward_weight (and the benchmark's variants
 // rows_forward_unroll2/4, rows_forward_vec and rows_backward_weight_vec); the op runs them in the phases
 // of xmc_bench::use_rows_kernels(mask), which xmc_repro.sparse.op sets from XMC_SPARSE_KERNELS (unset:
-// forward and input backward).
+// forward and input backward; the vec variants only when named, vec:<phases>).
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
@@ -21,11 +21,11 @@
 namespace xmc_sparse {
 namespace {
 
-std::atomic<int> rows_phases{0};  // RowsPhase bits
+std::atomic<int> kernel_choices{0};  // KernelChoice bits
 
 }  // namespace
 
-bool rows_kernels(RowsPhase phase) { return (rows_phases.load(std::memory_order_relaxed) & phase) != 0; }
+bool chosen(KernelChoice bit) { return (kernel_choices.load(std::memory_order_relaxed) & bit) != 0; }
 
 // The forward's variants for the benchmark: Unroll connections' gathers in flight, or (Unroll = 0) 8 lanes per
 // label with 4 batch rows each (forward_vec_kernel).
@@ -56,6 +56,11 @@ at::Tensor rows_forward_unrolled(const at::Tensor& x, const at::Tensor& indices,
 at::Tensor rows_forward_cuda(const at::Tensor& x, const at::Tensor& indices, const at::Tensor& weight,
                              const std::optional<at::Tensor>& bias) {
   return rows_forward_unrolled<1>(x, indices, weight, bias);
+}
+
+at::Tensor rows_forward_vec_cuda(const at::Tensor& x, const at::Tensor& indices, const at::Tensor& weight,
+                                 const std::optional<at::Tensor>& bias) {
+  return rows_forward_unrolled<0>(x, indices, weight, bias);
 }
 
 at::Tensor rows_backward_input_cuda(const at::Tensor& grad_out, const at::Tensor& indices, const at::Tensor& weight,
@@ -104,6 +109,11 @@ std::tuple<at::Tensor, at::Tensor> rows_backward_weight_cuda(const at::Tensor& g
   return rows_backward_weight<false>(grad_out, x, indices);
 }
 
+std::tuple<at::Tensor, at::Tensor> rows_backward_weight_vec_cuda(const at::Tensor& grad_out, const at::Tensor& x,
+                                                                 const at::Tensor& indices) {
+  return rows_backward_weight<true>(grad_out, x, indices);
+}
+
 }  // namespace xmc_sparse
 
 TORCH_LIBRARY_FRAGMENT(xmc_bench, m) {  // the op's own schemas (schema.h), names prefixed with "rows_"
@@ -116,9 +126,9 @@ TORCH_LIBRARY_FRAGMENT(xmc_bench, m) {  // the op's own schemas (schema.h), name
     if (schema.rfind("backward_weight", 0) == 0) m.def(("rows_backward_weight_vec" + schema.substr(15)).c_str());
   }
   m.def("use_rows_kernels(int phases) -> ()", [](int64_t phases) {
-    TORCH_CHECK(phases >= 0 && phases <= 7, "use_rows_kernels: a mask of forward (1), backward_input (2) and "
-                "backward_weight (4), got ", phases);
-    xmc_sparse::rows_phases.store(static_cast<int>(phases));
+    TORCH_CHECK(phases >= 0 && phases <= xmc_sparse::kAllKernelChoices, "use_rows_kernels: a mask of rows forward "
+                "(1), backward_input (2), backward_weight (4), vec forward (8), backward_weight (16), got ", phases);
+    xmc_sparse::kernel_choices.store(static_cast<int>(phases));
   });
 }
 
@@ -126,8 +136,8 @@ TORCH_LIBRARY_IMPL(xmc_bench, CUDA, m) {
   m.impl("rows_forward", &xmc_sparse::rows_forward_cuda);
   m.impl("rows_forward_unroll2", &xmc_sparse::rows_forward_unrolled<2>);
   m.impl("rows_forward_unroll4", &xmc_sparse::rows_forward_unrolled<4>);
-  m.impl("rows_forward_vec", &xmc_sparse::rows_forward_unrolled<0>);
+  m.impl("rows_forward_vec", &xmc_sparse::rows_forward_vec_cuda);
   m.impl("rows_backward_input", &xmc_sparse::rows_backward_input_cuda);
   m.impl("rows_backward_weight", &xmc_sparse::rows_backward_weight_cuda);
-  m.impl("rows_backward_weight_vec", &xmc_sparse::rows_backward_weight<true>);
+  m.impl("rows_backward_weight_vec", &xmc_sparse::rows_backward_weight_vec_cuda);
 }
