@@ -133,9 +133,9 @@ for precision in ${EPOCH_PRECISIONS:-32-true bf16-mixed}; do
   # each phase on the kernels the layer benchmark found faster, when that is a mix other than the default's
   mixed=$(grep -oE "XMC_SPARSE_KERNELS=rows:[a-z_,]+" "$LOGS/layer.log" 2>/dev/null | head -1 | cut -d= -f2)
   [ "$DRY_RUN" = 1 ] && mixed=rows:PHASES  # the layer step's choice
-  if [ -n "$mixed" ] && [ "$DRY_RUN" != 1 ]; then  # the phases the op runs on them by default: that epoch ran
-    default=$(python3 -c "from xmc_repro.sparse.op import DEFAULT_ROWS_PHASES as p; print(','.join(p))")
-    [ "$mixed" = "rows:$default" ] && mixed=
+  if [ -n "$mixed" ] && [ "$DRY_RUN" != 1 ]; then  # the op's default kernels (the same per phase): that epoch ran
+    python3 -c "import sys; from xmc_repro.sparse.op import kernel_families as k
+sys.exit(k(sys.argv[1]) != k(None))" "$mixed" && mixed=
   fi
   [ -n "$mixed" ] && KERNELS=$mixed epoch epoch-mixed-32-true uniform 32-true 170 model.intermediate=32768
 done

@@ -75,7 +75,7 @@ def test_every_training_command_composes_and_validates(steps):
 
     from xmc_repro.cli import added_setting
     from xmc_repro.resources import resource_dir
-    from xmc_repro.sparse.op import rows_phases
+    from xmc_repro.sparse.op import kernel_families
     from xmc_repro.validation import validate
 
     runs = _commands(steps, "xmc_repro")
@@ -83,7 +83,7 @@ def test_every_training_command_composes_and_validates(steps):
     with initialize_config_dir(str(resource_dir("conf")), version_base="1.3"):
         for name, (assigned, overrides) in runs.items():
             kernels = assigned.get("XMC_SPARSE_KERNELS", "threads").replace("PHASES", "forward")
-            rows_phases(kernels)  # the op reads it at registration: a bad value fails there
+            kernel_families(kernels)  # the op reads it at registration: a bad value fails there
             assert added_setting(overrides) is None, name
             cfg = compose("config", overrides=overrides)  # an unknown setting raises here
             validate(cfg)
@@ -105,7 +105,7 @@ def test_every_benchmark_command_passes_the_flag_checks(steps, monkeypatch):
     runs = _commands(steps, "xmc_repro.bench")
     assert set(runs) == {"layer", "model", "model-rows"}
     for name, (assigned, argv) in runs.items():
-        bench.sparse_op.rows_phases(assigned.get("XMC_SPARSE_KERNELS"))
+        bench.sparse_op.kernel_families(assigned.get("XMC_SPARSE_KERNELS"))
         with pytest.raises(_Parsed):
             bench.main(argv)
 

@@ -11,10 +11,11 @@ import sys
 
 import pytest
 import torch
+from torch.profiler import ProfilerActivity, profile
 from conftest import sparse_layer_problem
 
-from xmc_repro.sparse import reference
-from xmc_repro.sparse.op import ROWS_PHASES, backend, ensure_registered, rows_phases
+from xmc_repro.sparse import reference, uniform_sparse_linear
+from xmc_repro.sparse.op import ROWS_PHASES, backend, ensure_registered, kernel_families, kernels_mask
 
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")]
 
@@ -101,8 +102,7 @@ def test_kernels_with_vector_loads_take_an_input_whose_storage_starts_unaligned(
         torch.testing.assert_close(torch.ops.xmc_sparse.backward_weight(g, x, idx), want_wb, **tol)
         torch.cuda.synchronize()  # a misaligned load fails the launch, reported here
     finally:
-        phases = rows_phases(os.environ.get("XMC_SPARSE_KERNELS"))
-        ops.use_rows_kernels(sum(1 << ROWS_PHASES.index(phase) for phase in phases))
+        ops.use_rows_kernels(kernels_mask(kernel_families(os.environ.get("XMC_SPARSE_KERNELS"))))
 
 
 def test_rows_kernels_check_their_inputs_as_the_op_does(ops):
@@ -115,14 +115,61 @@ def test_rows_kernels_check_their_inputs_as_the_op_does(ops):
         ops.rows_backward_weight(g, x[:2], idx)
 
 
-@pytest.mark.parametrize("setting, phases", [("", ("forward", "backward_input")), ("threads", ()),
-                                             ("rows", ("forward", "backward_input", "backward_weight")),
-                                             ("rows:backward_input", ("backward_input",)),
-                                             ("rows:backward_weight,forward", ("forward", "backward_weight"))])
-def test_the_op_runs_the_warp_per_label_kernels_in_the_phases_asked(ops, setting, phases):
-    """XMC_SPARSE_KERNELS: the op runs the warp-per-label kernels in the phases named (unset: the default's; a
-    fresh process: the switch is set when the op registers), through autograd as in training; the backend says so,
-    and the profiler sees each phase's kernel from the namespace asked (rows:: or threads::)."""
+def _kernels_run(prof) -> dict[str, str]:
+    """{phase: family} of the op's kernels the profiler saw, by their names (rows::forward_vec_kernel: vec)."""
+    names = [e.name for e in prof.events()]
+    found = {}
+    for phase in ROWS_PHASES:
+        for family, kernel in (("threads", f"threads::{phase}_kernel"), ("rows", f"rows::{phase}_kernel"),
+                               ("vec", f"rows::{phase}_vec_kernel")):
+            if any(kernel in name for name in names):
+                found[phase] = found.get(phase, "") + family
+    return found
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16], ids=["f32", "f64", "bf16"])
+@pytest.mark.parametrize("shape", [(1, 7, 5, 3), (5, 300, 1001, 7), (33, 70, 95, 33), (70, 128, 200, 64)],
+                         ids=lambda s: "x".join(map(str, s)))
+def test_the_op_on_the_vector_kernels_matches_the_reference_through_autograd(ops, shape, dtype):
+    """XMC_SPARSE_KERNELS=vec:forward,backward_weight, set here in-process: the op's forward and both backward
+    passes through autograd against the reference, on the vector kernels (the input gradient a thread per label)."""
+    batch, inputs, labels, connectivity = shape
+    wdtype = torch.float32 if dtype == torch.bfloat16 else dtype
+    x, idx, w, b, g = _problem(*shape, 0.3, wdtype, seed=sum(shape))
+    x = x.to(dtype)
+    xr = x.float() if dtype == torch.bfloat16 else x  # bf16 inputs are gathered as they are, summed in float32
+    tol = {"rtol": 1e-5, "atol": 1e-5} if dtype == torch.bfloat16 else {}
+    ops.use_rows_kernels(kernels_mask(kernel_families("vec:forward,backward_weight")))
+    try:
+        xg, wg, bg = (t.clone().requires_grad_() for t in (x, w, b))
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            out = uniform_sparse_linear(xg, idx, wg, bg)
+            out.backward(g)
+            torch.cuda.synchronize()
+    finally:
+        ops.use_rows_kernels(kernels_mask(kernel_families(os.environ.get("XMC_SPARSE_KERNELS"))))
+    assert _kernels_run(prof) == {"forward": "vec", "backward_input": "threads", "backward_weight": "vec"}
+    torch.testing.assert_close(out, reference.forward(xr, idx, w, b), **tol)
+    torch.testing.assert_close(xg.grad, reference.backward_input(g, idx, w, inputs).to(dtype))  # in x's dtype
+    grad_w, grad_b = reference.backward_weight(g, xr, idx)
+    torch.testing.assert_close(wg.grad, grad_w, **tol)
+    torch.testing.assert_close(bg.grad, grad_b, **tol)
+
+
+@pytest.mark.parametrize("setting, name, families", [
+    ("", "compiled-cuda-rows:forward,backward_input", "rows rows threads"),
+    ("threads", "compiled-cuda", "threads threads threads"),
+    ("rows", "compiled-cuda-rows", "rows rows rows"),
+    ("rows:backward_input", "compiled-cuda-rows:backward_input", "threads rows threads"),
+    ("rows:backward_weight,forward", "compiled-cuda-rows:forward,backward_weight", "rows threads rows"),
+    # the vector kernels (their in-process test above covers vec:forward,backward_weight)
+    ("vec:backward_weight+rows:backward_input,forward", "compiled-cuda-rows:forward,backward_input+vec:backward_weight",
+     "rows rows vec")])
+def test_the_op_runs_the_kernels_asked_in_each_phase(ops, setting, name, families):
+    """XMC_SPARSE_KERNELS: the op runs the kernels named in each phase (unset: the default's; a fresh process: the
+    switch is set when the op registers), through autograd as in training; the backend says so, and the profiler
+    sees each phase's kernel (threads::, rows::, or rows:: *_vec_kernel), families in forward, input and weight
+    backward order."""
     script = f"""
 import torch
 from torch.profiler import ProfilerActivity, profile
@@ -134,19 +181,19 @@ idx = torch.randint(70, (33, 95), generator=g, dtype=torch.int32).cuda()
 w = torch.randn(33, 95, generator=g).cuda().requires_grad_()
 grad = torch.randn(33, 95, generator=g).cuda()
 with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-    uniform_sparse_linear(x, idx, w).backward(grad)
+    out = uniform_sparse_linear(x, idx, w)
+    out.backward(grad)
     torch.cuda.synchronize()
+torch.testing.assert_close(out, reference.forward(x.detach(), idx, w.detach(), None))
 torch.testing.assert_close(x.grad, reference.backward_input(grad, idx, w.detach(), 70))
 torch.testing.assert_close(w.grad, reference.backward_weight(grad, x.detach(), idx)[0])
-for phase in {ROWS_PHASES!r}:
-    spaces = sorted({{space for space in ("rows", "threads") for e in prof.events()
-                      if f"{{space}}::{{phase}}_kernel" in e.name}})
-    print(phase, *spaces)
+names = [e.name for e in prof.events()]
+print("kernels", *(family for phase in {ROWS_PHASES!r} for family, kernel in
+                   (("threads", f"threads::{{phase}}_kernel"), ("rows", f"rows::{{phase}}_kernel"),
+                    ("vec", f"rows::{{phase}}_vec_kernel")) if any(kernel in n for n in names)))
 """
     env = {**os.environ, "XMC_SPARSE_KERNELS": setting}
     proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    lines = [line for line in proc.stdout.splitlines() if line.startswith(("compiled-", *ROWS_PHASES))]  # no build notes
-    assert lines[0] == ("compiled-cuda" if not phases else "compiled-cuda-rows" if len(phases) == 3
-                        else "compiled-cuda-rows:" + ",".join(phases))
-    assert lines[1:4] == [f"{phase} {'rows' if phase in phases else 'threads'}" for phase in ROWS_PHASES]
+    lines = [line for line in proc.stdout.splitlines() if line.startswith(("compiled-", "kernels "))]  # no build notes
+    assert lines == [name, f"kernels {families}"]

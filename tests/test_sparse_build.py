@@ -3,6 +3,7 @@ sources compiling where nvcc exists but no GPU does."""
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -42,17 +43,71 @@ def test_unknown_backend_setting_is_rejected(tmp_path, variable):
     assert proc.returncode != 0 and f"{variable}='fast'" in proc.stderr
 
 
-def test_kernels_setting_names_the_phases_that_run_the_warp_per_label_kernels():
-    from xmc_repro.sparse.checks import SparseInputError
-    from xmc_repro.sparse.op import DEFAULT_ROWS_PHASES, ROWS_PHASES, rows_phases
+T, R, V = "threads", "rows", "vec"
+MIXED = "rows:backward_input+vec:forward,backward_weight"
 
-    assert rows_phases(None) == rows_phases(" ") == DEFAULT_ROWS_PHASES == ("forward", "backward_input")
-    assert rows_phases("Threads") == ()
-    assert rows_phases("rows") == rows_phases("rows:backward_weight,forward, backward_input") == ROWS_PHASES
-    assert rows_phases("rows:backward_weight,forward") == ("forward", "backward_weight")  # in the kernels' order
-    for bad in ("rows:", "rows:fwd", "forward", "rows:forward,,backward_input"):
-        with pytest.raises(SparseInputError, match=r"must be threads, rows, or rows:<phases> \(a comma list of "):
-            rows_phases(bad)
+
+@pytest.mark.parametrize("setting, families, mask, name", [
+    (None, (R, R, T), 3, "rows:forward,backward_input"),  # unset: the default
+    (" ", (R, R, T), 3, "rows:forward,backward_input"),
+    ("Threads", (T, T, T), 0, "threads"),
+    ("rows", (R, R, R), 7, "rows"),
+    ("rows:backward_weight,forward, backward_input", (R, R, R), 7, "rows"),
+    ("rows:backward_weight,forward", (R, T, R), 5, "rows:forward,backward_weight"),  # listed in the kernels' order
+    ("rows:backward_input", (T, R, T), 2, "rows:backward_input"),
+    ("rows:forward,forward", (R, T, T), 1, "rows:forward"),
+    ("vec:forward", (V, T, T), 8, "vec:forward"),
+    ("vec:backward_weight,forward", (V, T, V), 24, "vec:forward,backward_weight"),
+    ("rows:backward_input+vec:forward,backward_weight", (V, R, V), 26, MIXED),
+    ("vec:forward+rows:backward_input+vec:backward_weight", (V, R, V), 26, MIXED),
+    (" VEC:forward + rows:backward_input,backward_weight ", (V, R, R), 14,
+     "rows:backward_input,backward_weight+vec:forward"),
+])
+def test_kernels_setting_names_each_phases_kernels(setting, families, mask, name):
+    """XMC_SPARSE_KERNELS -> {phase: family}, the mask the CUDA library's switch takes (1, 2, 4: rows in forward,
+    input and weight backward; 8, 16: vec in forward and weight backward), and the backend's name, which spells the
+    setting out in one way."""
+    from xmc_repro.sparse.op import ROWS_PHASES, cuda_backend, kernel_families, kernels_mask, kernels_setting
+
+    got = kernel_families(setting)
+    assert list(got.items()) == list(zip(ROWS_PHASES, families))
+    assert kernels_mask(got) == mask
+    assert kernels_setting(got) == name and kernel_families(name) == got
+    assert cuda_backend(got) == ("compiled-cuda" if name == "threads" else f"compiled-cuda-{name}")
+
+
+def test_the_default_kernels_and_the_backend_names_of_the_settings_before_vec():
+    """The op's default is unchanged (the vector kernels are not yet timed), and so are the names runs recorded."""
+    from xmc_repro.sparse.op import DEFAULT_KERNELS, cuda_backend, kernel_families
+
+    assert kernel_families(None) == kernel_families(DEFAULT_KERNELS) == kernel_families("rows:forward,backward_input")
+    for setting, name in ((None, "compiled-cuda-rows:forward,backward_input"), ("threads", "compiled-cuda"),
+                          ("rows", "compiled-cuda-rows"), ("rows:forward", "compiled-cuda-rows:forward")):
+        assert cuda_backend(kernel_families(setting)) == name
+
+
+FORMS = (r"must be threads, rows, or rows:<phases> and/or vec:<phases> joined by \+ \(phases: a comma list of "
+         r"forward, backward_input, backward_weight\), e.g. rows:backward_input\+vec:forward$")
+
+
+@pytest.mark.parametrize("bad, message", [
+    ("rows:", FORMS), ("rows:fwd", FORMS), ("forward", FORMS), ("rows:forward,,backward_input", FORMS),
+    ("vec", FORMS), ("threads:forward", FORMS), ("rows+vec:forward", FORMS), ("rows:forward+", FORMS),
+    ("fast", FORMS), ("vec:forward;rows:backward_input", FORMS),
+    ("vec:backward_input", r": vec has no backward_input kernel \(it has forward, backward_weight\)$"),
+    ("rows:backward_input+vec:backward_input,forward", r": vec has no backward_input kernel"),
+    ("rows:forward+vec:forward", r" names forward for both rows and vec: one family per phase$"),
+    ("vec:backward_weight+rows:backward_weight", r" names backward_weight for both vec and rows: one family"),
+])
+def test_a_bad_kernels_setting_is_refused_in_one_line(bad, message):
+    from xmc_repro.sparse.checks import SparseInputError
+    from xmc_repro.sparse.op import kernel_families
+
+    with pytest.raises(SparseInputError) as info:
+        kernel_families(bad)
+    text = str(info.value)
+    assert "\n" not in text and text.startswith(f"XMC_SPARSE_KERNELS={bad!r}")
+    assert re.search(message, text), text
 
 
 @pytest.mark.slow

@@ -619,7 +619,7 @@ def _main(argv: list[str] | None = None) -> int:
     unknown = set((args.precision or "").split(",")) - {"", "32-true", "bf16-mixed"}
     if unknown:  # before --out is created
         ap.error(f"--precision: {', '.join(sorted(unknown))} is not one of 32-true, bf16-mixed")
-    sparse_op.rows_phases(os.environ.get("XMC_SPARSE_KERNELS"))  # a bad setting: refused before --out is made
+    sparse_op.kernel_families(os.environ.get("XMC_SPARSE_KERNELS"))  # a bad setting: refused before --out is made
     problem = usable_out(Path(args.out))
     if problem:
         ap.error(f"--out {args.out}: cannot write results there ({problem}); give a writable folder")

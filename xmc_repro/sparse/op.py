@@ -31,11 +31,18 @@ _DISPATCH_KEYS = {"cpu": "CPU", "cuda": "CUDA"}
 _BF16_INPUT_OPS = ("forward", "backward_weight")  # take bf16 x with float32 weights on compiled CUDA
 _FLOATS = (torch.float32, torch.float64)
 
-# The CUDA kernels' phases, in the order of their bits in xmc_bench::use_rows_kernels (uniform_sparse_common.cuh).
+# The CUDA kernels' phases, in the order XMC_SPARSE_KERNELS and the backend name list them.
 ROWS_PHASES = ("forward", "backward_input", "backward_weight")
-# The phases on the warp-per-label kernels by default: the fastest mix in an epoch at Amazon-670K's shape on an H200
-# (median step 1.77 ms against 2.27 ms on the thread-per-label kernels and 1.98 ms all on rows; README)
-DEFAULT_ROWS_PHASES = ("forward", "backward_input")
+# The kernel families a phase can hand over to (a phase not handed over runs a thread per label,
+# cuda_ext/cuda/uniform_sparse_kernels.cuh): a warp per label (`rows`, uniform_sparse_rows_kernels.cuh) in every
+# phase, 8 lanes per label with 4 batch rows per lane (`vec`, there too) in forward and weight backward only; each
+# (family, phase) with its bit in xmc_bench::use_rows_kernels' mask (KernelChoice, uniform_sparse_common.cuh).
+KERNEL_BITS = {("rows", "forward"): 1, ("rows", "backward_input"): 2, ("rows", "backward_weight"): 4,
+               ("vec", "forward"): 8, ("vec", "backward_weight"): 16}
+FAMILIES = ("rows", "vec")
+# The op's kernels by default: the fastest mix in an epoch at Amazon-670K's shape on an H200 (median step 1.77 ms
+# against 2.27 ms on the thread-per-label kernels and 1.98 ms all on rows; README). The vec kernels are untimed.
+DEFAULT_KERNELS = "rows:forward,backward_input"
 
 _lock = threading.Lock()
 _backends: dict[str, str] | None = None
@@ -182,31 +189,61 @@ def _backward_of_backward_weight(ctx, gg_w, gg_b):
 # ---------------------------------------------------------------- registration
 
 
-def rows_phases(setting: str | None) -> tuple[str, ...]:
-    """The phases whose CUDA kernels `XMC_SPARSE_KERNELS` hands to the warp-per-label kernels
-    (cuda_ext/cuda/uniform_sparse_rows_kernels.cuh): unset `DEFAULT_ROWS_PHASES`, `threads` none (the
-    thread-per-label kernels in every phase), `rows` all three, `rows:backward_input,forward` those named (returned
-    in `ROWS_PHASES` order)."""
-    value = (setting or "").strip().lower()
-    if not value:
-        return DEFAULT_ROWS_PHASES
+def kernel_families(setting: str | None) -> dict[str, str]:
+    """{phase: family} for every phase in `ROWS_PHASES` order, from an `XMC_SPARSE_KERNELS` value: unset
+    `DEFAULT_KERNELS`; `threads` a thread per label in every phase; `rows` a warp per label in every phase;
+    otherwise groups `<family>:<phases>` joined by `+`, e.g. `rows:backward_input+vec:forward,backward_weight`
+    (phases a comma list; a phase not named: `threads`). Raises SparseInputError with one line otherwise."""
+    value = (setting or "").strip().lower() or DEFAULT_KERNELS
+    families = dict.fromkeys(ROWS_PHASES, "threads")
     if value == "threads":
-        return ()
+        return families
     if value == "rows":
-        return ROWS_PHASES
-    named = {name.strip() for name in value[len("rows:"):].split(",")} if value.startswith("rows:") else None
-    if not named or not named <= set(ROWS_PHASES):
-        raise SparseInputError(f"XMC_SPARSE_KERNELS={setting!r} must be threads, rows, or rows:<phases> (a comma "
-                               f"list of {', '.join(ROWS_PHASES)})")
-    return tuple(phase for phase in ROWS_PHASES if phase in named)
+        return dict.fromkeys(ROWS_PHASES, "rows")
+    for group in value.split("+"):
+        family, colon, names = (part.strip() for part in group.partition(":"))
+        phases = [name.strip() for name in names.split(",")]
+        if family not in FAMILIES or not colon or not all(phase in ROWS_PHASES for phase in phases):
+            raise SparseInputError(
+                f"XMC_SPARSE_KERNELS={setting!r} must be threads, rows, or rows:<phases> and/or vec:<phases> joined "
+                f"by + (phases: a comma list of {', '.join(ROWS_PHASES)}), e.g. rows:backward_input+vec:forward")
+        for phase in phases:
+            if (family, phase) not in KERNEL_BITS:
+                raise SparseInputError(f"XMC_SPARSE_KERNELS={setting!r}: {family} has no {phase} kernel (it has "
+                                       f"{', '.join(p for f, p in KERNEL_BITS if f == family)})")
+            if families[phase] not in ("threads", family):
+                raise SparseInputError(f"XMC_SPARSE_KERNELS={setting!r} names {phase} for both {families[phase]} "
+                                       f"and {family}: one family per phase")
+            families[phase] = family
+    return families
+
+
+def kernels_mask(families: dict[str, str]) -> int:
+    """The mask xmc_bench::use_rows_kernels takes for `families` ({phase: family}; a phase missing: threads)."""
+    return sum(KERNEL_BITS.get((family, phase), 0) for phase, family in families.items())
+
+
+def kernels_setting(families: dict[str, str]) -> str:
+    """The shortest `XMC_SPARSE_KERNELS` value for `families` ({phase: family}; a phase missing: threads), phases
+    in `ROWS_PHASES` order: `threads`, `rows`, or e.g. `rows:backward_input+vec:forward,backward_weight`."""
+    groups = {family: [phase for phase in ROWS_PHASES if families.get(phase) == family] for family in FAMILIES}
+    if len(groups["rows"]) == len(ROWS_PHASES):
+        return "rows"
+    return "+".join(f"{family}:{','.join(phases)}" for family, phases in groups.items() if phases) or "threads"
+
+
+def cuda_backend(families: dict[str, str]) -> str:
+    """The compiled CUDA backend's name, which names the kernels it runs in each phase (MLflow tag `sparse_backend`):
+    `compiled-cuda` on the thread-per-label kernels, else e.g. `compiled-cuda-rows:forward,backward_input`."""
+    return "compiled-cuda" if not kernels_mask(families) else "compiled-cuda-" + kernels_setting(families)
 
 
 def _register() -> dict[str, str]:
     mode = os.environ.get("XMC_SPARSE_BACKEND", "auto").strip().lower() or "auto"
     if mode not in ("auto", "reference", "compiled"):
         raise SparseInputError(f"XMC_SPARSE_BACKEND={mode!r} must be one of auto, reference, compiled")
-    # Which CUDA kernels the op runs in each phase: a thread per label, or a warp per label.
-    rows = rows_phases(os.environ.get("XMC_SPARSE_KERNELS"))
+    # Which CUDA kernels the op runs in each phase (a bad setting refused before anything is built)
+    families = kernel_families(os.environ.get("XMC_SPARSE_KERNELS"))
     compiled: set[str] = set()
     if mode != "reference":
         compiled, errors = build.load_compiled()
@@ -226,9 +263,9 @@ def _register() -> dict[str, str]:
     for device, key in _DISPATCH_KEYS.items():
         if device in compiled:
             backends[device] = f"compiled-{device}"
-            if device == "cuda" and rows:
-                torch.ops.xmc_bench.use_rows_kernels(sum(1 << ROWS_PHASES.index(phase) for phase in rows))
-                backends[device] += "-rows" if rows == ROWS_PHASES else "-rows:" + ",".join(rows)
+            if device == "cuda":
+                torch.ops.xmc_bench.use_rows_kernels(kernels_mask(families))
+                backends[device] = cuda_backend(families)
             continue
         for name, fn in _REFERENCE_KERNELS.items():
             lib.impl(name, fn, key)
@@ -263,7 +300,8 @@ def ensure_registered() -> dict[str, str]:
 def backend(device: str | torch.device | None = None) -> str:
     """Which implementation runs on ``device`` (default: cuda if available, else cpu):
     ``"compiled-cuda-rows:forward,backward_input"`` by default, ``"compiled-cuda"`` with ``XMC_SPARSE_KERNELS=threads``
-    (``"compiled-cuda-rows"`` with ``rows``, ``"compiled-cuda-rows:forward"`` with ``rows:forward``),
+    (``"compiled-cuda-rows"`` with ``rows``, ``"compiled-cuda-rows:forward"`` with ``rows:forward``,
+    ``"compiled-cuda-rows:backward_input+vec:forward,backward_weight"`` with that setting: ``kernels_setting``),
     ``"compiled-cpu"`` or ``"reference"``; ``"unsupported"`` on other device types (on meta
     tensors the ops' fake kernels give the shapes)."""
     if device is None:
