@@ -22,7 +22,8 @@
 #    where the real loop leaves the GPU idle), on the op's default kernels; after the 32-true one the same with
 #    the thread-per-label kernels in every phase (epoch-threads-32-true), the warp-per-label ones in every phase
 #    (epoch-rows-32-true) and, where the layer benchmark found those faster in a mix of phases other than the
-#    default's, that mix (epoch-mixed-32-true, XMC_SPARSE_KERNELS=rows:<phases>); then the dense model's epoch at
+#    default's, that mix (epoch-mixed-32-true, XMC_SPARSE_KERNELS=rows:<phases>, or with the vector kernels where
+#    they were faster, e.g. rows:backward_input+vec:forward,backward_weight); then the dense model's epoch at
 #    32-true (the dense/uniform ratio; about 2.5 minutes); the step's wall time over each epoch, by quarter
 #    (step-times.md, scripts/step_times.py: early steps are slower),
 # 7. with BIBTEX=1: Bibtex through the pipeline, seed 0, float32 and bf16-mixed on the default kernels, float32
@@ -131,7 +132,8 @@ for precision in ${EPOCH_PRECISIONS:-32-true bf16-mixed}; do
   KERNELS=threads epoch epoch-threads-32-true uniform 32-true 170 model.intermediate=32768 trainer.profile_steps=20
   KERNELS=rows epoch epoch-rows-32-true uniform 32-true 170 model.intermediate=32768 trainer.profile_steps=20
   # each phase on the kernels the layer benchmark found faster, when that is a mix other than the default's
-  mixed=$(grep -oE "XMC_SPARSE_KERNELS=rows:[a-z_,]+" "$LOGS/layer.log" 2>/dev/null | head -1 | cut -d= -f2)
+  # (rows and/or vec kernels, e.g. rows:backward_input+vec:forward,backward_weight; threads and rows: run above)
+  mixed=$(grep -oE "XMC_SPARSE_KERNELS=(rows|vec):[a-z_,:+]+" "$LOGS/layer.log" 2>/dev/null | head -1 | cut -d= -f2)
   [ "$DRY_RUN" = 1 ] && mixed=rows:PHASES  # the layer step's choice
   if [ -n "$mixed" ] && [ "$DRY_RUN" != 1 ]; then  # the op's default kernels (the same per phase): that epoch ran
     python3 -c "import sys; from xmc_repro.sparse.op import kernel_families as k

@@ -241,8 +241,8 @@ def test_the_vector_kernels_are_timed_in_forward_and_weight_gradient_and_compute
         (m, phase) for m in bench.VEC for phase in ("forward", "backward_weight")}
 
 
-def test_rows_choice_picks_each_phases_faster_kernels_over_the_cases_that_timed_both():
-    from xmc_repro.bench import ROWS, rows_choice
+def test_kernels_choice_picks_each_phases_faster_kernels_over_the_cases_that_timed_both():
+    from xmc_repro.bench import ROWS, kernels_choice
 
     def timed(case, method, **ms):
         return [{"case": case, "method": method, "phase": phase, "ms": v} for phase, v in ms.items()]
@@ -255,26 +255,50 @@ def test_rows_choice_picks_each_phases_faster_kernels_over_the_cases_that_timed_
             + [{"case": "bce", "method": "csr", "phase": "forward", "ms": 0.01},
                {"case": "hinge", "method": ROWS, "phase": "all", "note": "out of memory while building"}])
     # sums: forward 1.46 vs 1.00, backward_input 2.39 vs 1.40, backward_weight 1.04 vs 1.10
-    assert rows_choice(rows) == "rows:forward,backward_input"
-    assert rows_choice([r for r in rows if r["phase"] == "backward_weight"]) == "threads"
-    assert rows_choice([r for r in rows if r["phase"] != "backward_weight"]) == "rows:forward,backward_input"
+    assert kernels_choice(rows) == "rows:forward,backward_input"
+    assert kernels_choice([r for r in rows if r["phase"] == "backward_weight"]) == "threads"
+    assert kernels_choice([r for r in rows if r["phase"] != "backward_weight"]) == "rows:forward,backward_input"
     slower = [{**r, "ms": r["ms"] * 10} if r["method"] == "uniform" and "ms" in r else r for r in rows]
-    assert rows_choice(slower) == "rows"
-    assert rows_choice([r for r in rows if r["method"] != ROWS]) is None
+    assert kernels_choice(slower) == "rows"
+    assert kernels_choice([r for r in rows if r["method"] != ROWS]) is None
 
 
-@pytest.mark.parametrize("model", [False, True])
-def test_an_unusable_out_folder_is_refused_in_one_line_before_anything_is_timed(model, tmp_path, capsys, monkeypatch):
-    """--out naming a file (or a folder that cannot be created) ended in a traceback after the whole run."""
-    monkeypatch.setattr(bench, "run_case", lambda *a, **k: pytest.fail("timed before checking --out"))
-    monkeypatch.setattr(bench, "copy_bandwidth", lambda *a, **k: pytest.fail("timed before checking --out"))
-    taken = tmp_path / "a-file"
-    taken.write_text("")
-    for out in (taken, taken / "sub"):
-        with pytest.raises(SystemExit) as info:
-            bench.main(["--device", "cpu", *(["--model"] if model else []), "--out", str(out)])
-        err = capsys.readouterr().err
-        assert info.value.code == 2 and f"--out {out}: cannot write results there" in err and "Traceback" not in err
+def test_kernels_choice_weighs_the_vector_kernels_in_forward_and_weight_backward():
+    """uniform-rows-vec (float32) is a third candidate in the phases it has; its bf16 method is not (the op's own
+    method, `uniform`, takes float32 inputs). The choice is an XMC_SPARSE_KERNELS value the op takes."""
+    from xmc_repro.bench import ROWS, VEC, kernels_choice
+    from xmc_repro.sparse.op import kernel_families
+
+    def timed(case, method, **ms):
+        return [{"case": case, "method": method, "phase": phase, "ms": v} for phase, v in ms.items()]
+
+    base = (timed("hinge", "uniform", forward=0.73, backward_input=0.33, backward_weight=0.30)
+            + timed("hinge", ROWS, forward=0.50, backward_input=0.20, backward_weight=0.90)
+            + timed("bce", "uniform", forward=0.73, backward_input=2.06, backward_weight=0.74)
+            + timed("bce", ROWS, forward=0.50, backward_input=1.00, backward_weight=0.90))
+    choices = {
+        # vec faster than rows in forward, than threads in weight backward
+        (0.40, 0.20, 0.40, 0.50): "rows:backward_input+vec:forward,backward_weight",
+        (0.70, 0.60, 0.40, 0.50): "rows:forward,backward_input",  # vec slower than both
+        (0.40, 0.20, 0.40, 0.90): "rows:backward_input+vec:forward",
+        (0.60, 0.20, 0.60, 0.50): "rows:forward,backward_input+vec:backward_weight",
+        # ties keep the kernels listed first: threads, then rows
+        (0.50, 0.30, 0.50, 0.74): "rows:forward,backward_input",
+    }
+    for (fwd_h, bw_h, fwd_b, bw_b), want in choices.items():
+        vec = (timed("hinge", VEC[0], forward=fwd_h, backward_weight=bw_h)
+               + timed("bce", VEC[0], forward=fwd_b, backward_weight=bw_b)
+               + timed("hinge", VEC[1], forward=0.01, backward_weight=0.01))  # bf16 inputs: not a candidate
+        got = kernels_choice(base + vec)
+        assert got == want, (fwd_h, bw_h, fwd_b, bw_b)
+        kernel_families(got)  # the op takes it
+    only_vec = [r for r in base if r["method"] == "uniform"] + timed("bce", VEC[0], forward=0.1, backward_weight=9.0)
+    assert kernels_choice(only_vec) == "vec:forward"  # backward_input: no candidate timed, threads
+    # a case that timed vec but not rows is left out of the phase's sums (they would compare different cases)
+    assert kernels_choice(base + timed("bce", VEC[0], forward=0.1)
+                          + timed("extra", "uniform", forward=1.0) + timed("extra", VEC[0], forward=0.0)) == (
+        "rows:backward_input+vec:forward")
+
 
 
 def test_a_refused_out_leaves_none_of_the_folders_its_check_made(tmp_path):

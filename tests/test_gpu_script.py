@@ -110,18 +110,41 @@ def test_every_benchmark_command_passes_the_flag_checks(steps, monkeypatch):
             bench.main(argv)
 
 
-def test_the_layer_benchmarks_choice_is_what_the_mixed_epoch_reads():
-    from xmc_repro import bench
-    from xmc_repro.sparse.op import ROWS_PHASES
+def _mixed_epoch_choice(tmp_path, layer_log: str) -> str:
+    """The setting the mixed epoch step runs after a layer step that printed `layer_log`: the script's own lines
+    (from reading the layer log to the comparison with the op's default), run here; empty when it runs none."""
+    text = SCRIPT.read_text()
+    lines = text[text.index("  mixed=$(grep"):text.index("  [ -n \"$mixed\" ] && KERNELS=$mixed epoch")]
+    (tmp_path / "layer.log").write_text(layer_log)
+    script = f'LOGS={tmp_path}; DRY_RUN=0\n{lines}printf %s "$mixed"\n'
+    env = {**os.environ, "PYTHONPATH": f"{ROOT}:{os.environ.get('PYTHONPATH', '')}"}
+    done = subprocess.run(["bash", "-c", script], env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    return done.stdout
 
-    pattern = re.search(r'grep -oE "(XMC_SPARSE_KERNELS=rows:[^"]+)" "\$LOGS/layer.log"', SCRIPT.read_text()).group(1)
+
+def test_the_layer_benchmarks_choice_is_what_the_mixed_epoch_reads(tmp_path):
+    """The benchmark's last line names the faster kernels per phase; the script runs the mixed epoch on them unless
+    they are the op's default (that epoch ran) or threads / rows in every phase (those epochs ran too)."""
+    from xmc_repro import bench
+    from xmc_repro.sparse.op import ROWS_PHASES, kernel_families
+
+    assert "fastest kernels per phase: XMC_SPARSE_KERNELS={choice}" in Path(bench.__file__).read_text()
     faster = set(ROWS_PHASES[1:])
     rows = [{"case": "c", "method": method, "phase": phase, "ms": 1.0 if (method == bench.ROWS) == (phase in faster)
              else 2.0} for method in ("uniform", bench.ROWS) for phase in ROWS_PHASES]
-    choice = bench.rows_choice(rows)
-    assert choice == "rows:" + ",".join(ROWS_PHASES[1:])
-    assert re.fullmatch(pattern, f"XMC_SPARSE_KERNELS={choice}")
-    assert "fastest kernels per phase: XMC_SPARSE_KERNELS={choice}" in Path(bench.__file__).read_text()
+    vec = [{"case": "c", "method": bench.VEC[0], "phase": phase, "ms": 0.5} for phase in ("forward", "backward_weight")]
+    for timed, want in ((rows, "rows:backward_input,backward_weight"),
+                        (rows + vec, "rows:backward_input+vec:forward,backward_weight"),
+                        (rows + vec[:1], "rows:backward_input,backward_weight+vec:forward")):
+        choice = bench.kernels_choice(timed)
+        assert choice == want
+        kernel_families(choice)
+        log = f"case ...\nfastest kernels per phase: XMC_SPARSE_KERNELS={choice}\n"
+        assert _mixed_epoch_choice(tmp_path, log) == choice
+    for unrun in ("rows:forward,backward_input", "rows", "threads"):  # the default's epoch, and the others', ran
+        assert _mixed_epoch_choice(tmp_path, f"fastest kernels per phase: XMC_SPARSE_KERNELS={unrun}\n") == ""
+    assert _mixed_epoch_choice(tmp_path, "no choice of kernels per phase: the op ran compiled-cuda-rows\n") == ""
 
 
 def test_the_test_selection_and_the_build_step_exist(steps):

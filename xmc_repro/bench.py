@@ -475,23 +475,27 @@ def summary(rows: list[dict]) -> str:
     return "\n".join(out)
 
 
-def rows_choice(rows: list[dict], op: str = "uniform", candidates: str = ROWS) -> str | None:
-    """The `XMC_SPARSE_KERNELS` value that runs each phase on whichever kernels took less time in `rows`, summed over
-    the cases that timed both (`threads`, `rows` or `rows:<phases>`); None when no case timed both."""
-    totals: dict[tuple[str, str], float] = {}
-    for case in {r["case"] for r in rows}:
-        times = {(r["method"], r["phase"]): r["ms"] for r in rows if r["case"] == case and "ms" in r}
-        for phase in sparse_op.ROWS_PHASES:
-            if (op, phase) in times and (candidates, phase) in times:
-                for method in (op, candidates):
-                    totals[method, phase] = totals.get((method, phase), 0.0) + times[method, phase]
-    if not totals:
-        return None
-    faster = [phase for phase in sparse_op.ROWS_PHASES
-              if (op, phase) in totals and totals[candidates, phase] < totals[op, phase]]
-    if not faster:
-        return "threads"
-    return "rows" if len(faster) == len(sparse_op.ROWS_PHASES) else "rows:" + ",".join(faster)
+# The methods that time each kernel family beside the op's thread-per-label kernels (`uniform`), float32 inputs
+CANDIDATES = {ROWS: "rows", VEC[0]: "vec"}
+
+
+def kernels_choice(rows: list[dict], op: str = "uniform") -> str | None:
+    """The `XMC_SPARSE_KERNELS` value that runs each phase on whichever kernels took least time in `rows`: `op` (a
+    thread per label) or a method of `CANDIDATES` (the vec one in forward and weight backward only), summed per
+    phase over the cases that timed `op` and every candidate timed beside it; None when no case timed a candidate
+    beside `op`. A tie keeps the thread-per-label kernels."""
+    times = {(r["case"], r["method"], r["phase"]): r["ms"] for r in rows if "ms" in r}
+    families, compared = {}, False
+    for phase in sparse_op.ROWS_PHASES:
+        cases = {case for case, method, p in times if method == op and p == phase}
+        methods = [m for m in CANDIDATES if any((case, m, phase) in times for case in cases)]
+        cases = {case for case in cases if all((case, m, phase) in times for m in methods)}
+        if not methods or not cases:
+            continue
+        compared = True
+        totals = {m: sum(times[case, m, phase] for case in cases) for m in (op, *methods)}
+        families[phase] = CANDIDATES.get(min(totals, key=totals.get), "threads")  # min: the first of equals
+    return sparse_op.kernels_setting(families) if compared else None
 
 
 def _positive(kind, zero: bool = False, finite: bool = True):
@@ -663,7 +667,7 @@ def _main(argv: list[str] | None = None) -> int:
                    out / f"{name}.md": markdown(info, rows)})
     print(f"wrote {out / name}.json and .md{note}")
     print(summary(rows))
-    choice = rows_choice(rows)
+    choice = kernels_choice(rows)
     if choice is not None and info["sparse_backend"] != "compiled-cuda":
         print(f"no choice of kernels per phase: the op ran {info['sparse_backend']}, not its thread-per-label kernels "
               "in every phase; compare with XMC_SPARSE_KERNELS=threads")
