@@ -49,16 +49,14 @@
 # (the same in every phase of training) beside the uniform model's (step-times.md).
 # A shorter call: BUDGET_S=240 EPOCH_POINTS=100000 EPOCH_PRECISIONS=32-true TESTS="tests/test_step_graph.py ..." \
 #   bash scripts/gpu_all.sh
-# What the README's targets table lists as not yet run, in two calls (step times of the last H200 call: build 45 s,
-# tests 110-130 s, layer 20 s, an epoch 70-80 s; carry .whl and .gpu_data). First (about 490 s): the default kernels
-# in the tests, the unrolled forwards and the sparse-tile input backward, the counters, an epoch beside the dense
-# one, Bibtex on the default kernels beside the thread-per-label ones:
-#   BUDGET_S=560 BIBTEX=1 DENSE_POINTS=50000 SKIP="memory-graph-true memory-graph-false model model-rows
-#   epoch-threads-32-true epoch-rows-32-true epoch-mixed-32-true epoch-bf16-mixed bibtex-bf16-mixed
-#   bibtex-rows-32-true" bash scripts/gpu_all.sh
-# Then, as time allows, bf16-mixed: SKIP="tests layer counters memory-graph-true memory-graph-false model model-rows
-#   epoch-32-true epoch-threads-32-true epoch-rows-32-true epoch-mixed-32-true epoch-dense-32-true bibtex-32-true
-#   bibtex-threads-32-true bibtex-rows-32-true" BIBTEX=1
+# What the README's targets table lists as not yet run, in one call (step times of the H200 call at 228b070:
+# build 47 s, tests 130 s, layer 21 s, counters 31 s, an epoch 73 s, the dense one on 50,000 points 78 s; carry .whl):
+# the vector kernels in the tests, timed per phase and under the counters, and an epoch on the benchmark's fastest
+# mix where that is not the default (epoch-mixed-32-true), beside the default's and the dense model's (about 480 s):
+#   BUDGET_S=560 DENSE_POINTS=50000 SKIP="memory-graph-true memory-graph-false model model-rows
+#   epoch-threads-32-true epoch-rows-32-true epoch-bf16-mixed" bash scripts/gpu_all.sh
+# Then, as time allows, the model step on the layer step's choice (its last line):
+#   XMC_SPARSE_KERNELS=<that choice> python3 -m xmc_repro.bench --model --device cuda --steps 50
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 1
 OUT="${OUT:-/tmp/xmc_gpu_all}"
