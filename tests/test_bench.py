@@ -300,6 +300,19 @@ def test_kernels_choice_weighs_the_vector_kernels_in_forward_and_weight_backward
         "rows:backward_input+vec:forward")
 
 
+@pytest.mark.parametrize("model", [False, True])
+def test_an_unusable_out_folder_is_refused_in_one_line_before_anything_is_timed(model, tmp_path, capsys, monkeypatch):
+    """--out naming a file (or a folder that cannot be created) ended in a traceback after the whole run."""
+    monkeypatch.setattr(bench, "run_case", lambda *a, **k: pytest.fail("timed before checking --out"))
+    monkeypatch.setattr(bench, "copy_bandwidth", lambda *a, **k: pytest.fail("timed before checking --out"))
+    taken = tmp_path / "a-file"
+    taken.write_text("")
+    for out in (taken, taken / "sub"):
+        with pytest.raises(SystemExit) as info:
+            bench.main(["--device", "cpu", *(["--model"] if model else []), "--out", str(out)])
+        err = capsys.readouterr().err
+        assert info.value.code == 2 and f"--out {out}: cannot write results there" in err and "Traceback" not in err
+
 
 def test_a_refused_out_leaves_none_of_the_folders_its_check_made(tmp_path):
     """--out new/<a name too long>: `new` was made before the name failed, and stayed."""
