@@ -177,7 +177,7 @@ for p in 32-true threads-32-true rows-32-true mixed-32-true bf16-mixed dense-32-
 cat "$LOGS/step-times.md"
 sed -n '/^case /,$p' "$LOGS/layer.log"
 # ncu heads each kernel with its demangled name: `void xmc_sparse::rows::forward_kernel<...>(...)` for a template
-grep -E "^  (void )?[a-z_:]*(forward|backward_input|backward_weight)_kernel|^launched|^==(PROF|ERROR|WARNING)==|^    (Duration|Memory Throughput|L2 Cache Throughput|DRAM Throughput|Achieved Occupancy|Registers Per Thread|Warp Cycles Per Issued)" "$LOGS/counters.log" 2>/dev/null
+grep -E "^  (void )?[a-z_:]*(forward|backward_input|backward_weight)(_vec)?_kernel|^launched|^==(PROF|ERROR|WARNING)==|^    (Duration|Memory Throughput|L2 Cache Throughput|DRAM Throughput|Achieved Occupancy|Registers Per Thread|Warp Cycles Per Issued)" "$LOGS/counters.log" 2>/dev/null
 for p in 32-true bf16-mixed threads-32-true rows-32-true; do [ -f "$LOGS/bibtex-$p.log" ] && grep -E "test|seconds per epoch" "$LOGS/bibtex-$p.log" | tail -3; done
 # the exit status: 1 when a step failed or ran out of time (the summary's first lines say which), else 0
 case " ${status[*]} " in *": exit "[1-9]*) exit 1;; esac

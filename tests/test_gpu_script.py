@@ -218,3 +218,18 @@ def test_the_summary_keeps_the_counters_kernel_names():
            "    DRAM Frequency                  Ghz         2.62\n")
     kept = subprocess.run(["grep", "-E", pattern], input=log, capture_output=True, text=True).stdout.splitlines()
     assert [line.split()[0] for line in kept] == ["launched:", "void", "Duration"]
+
+
+def test_the_summary_keeps_the_name_of_every_kernel_of_the_op():
+    """Every kernel the op's headers define (the vector ones, forward_vec_kernel and backward_weight_vec_kernel,
+    included) keeps its ncu header line in the summary: their counters would otherwise be left unnamed."""
+    pattern = re.search(r'grep -E "([^"]+)" "\$LOGS/counters.log"', SCRIPT.read_text()).group(1)
+    names = set()
+    for header, space in (("uniform_sparse_kernels.cuh", "threads"), ("uniform_sparse_rows_kernels.cuh", "rows")):
+        text = (ROOT / "cuda_ext" / "cuda" / header).read_text()
+        names |= {f"{space}::{name}" for name in re.findall(r"__global__ .*?(\w+_kernel)\($", text, re.M)}
+    assert {"rows::forward_vec_kernel", "rows::backward_weight_vec_kernel", "threads::forward_kernel"} <= names
+    log = "".join(f"  void xmc_sparse::{name}<float, float>(const T1 *, int) (5236, 1, 1)x(128, 1, 1), Context 1\n"
+                  for name in sorted(names))
+    kept = subprocess.run(["grep", "-E", pattern], input=log, capture_output=True, text=True).stdout
+    assert kept == log
