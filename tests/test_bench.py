@@ -241,11 +241,13 @@ def test_the_vector_kernels_are_timed_in_forward_and_weight_gradient_and_compute
         (m, phase) for m in bench.VEC for phase in ("forward", "backward_weight")}
 
 
+def timed(case, method, **ms):
+    """The benchmark's result rows of one method on one case: ms per phase."""
+    return [{"case": case, "method": method, "phase": phase, "ms": v} for phase, v in ms.items()]
+
+
 def test_kernels_choice_picks_each_phases_faster_kernels_over_the_cases_that_timed_both():
     from xmc_repro.bench import ROWS, kernels_choice
-
-    def timed(case, method, **ms):
-        return [{"case": case, "method": method, "phase": phase, "ms": v} for phase, v in ms.items()]
 
     rows = (timed("hinge", "uniform", forward=0.73, backward_input=0.33, backward_weight=0.30, **{"fwd+bwd": 1.4})
             + timed("hinge", ROWS, forward=0.50, backward_input=0.40, backward_weight=0.20, **{"fwd+bwd": 9.0})
@@ -268,9 +270,6 @@ def test_kernels_choice_weighs_the_vector_kernels_in_forward_and_weight_backward
     method, `uniform`, takes float32 inputs). The choice is an XMC_SPARSE_KERNELS value the op takes."""
     from xmc_repro.bench import ROWS, VEC, kernels_choice
     from xmc_repro.sparse.op import kernel_families
-
-    def timed(case, method, **ms):
-        return [{"case": case, "method": method, "phase": phase, "ms": v} for phase, v in ms.items()]
 
     base = (timed("hinge", "uniform", forward=0.73, backward_input=0.33, backward_weight=0.30)
             + timed("hinge", ROWS, forward=0.50, backward_input=0.20, backward_weight=0.90)
