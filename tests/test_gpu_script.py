@@ -177,23 +177,27 @@ def test_the_scripts_parse_and_the_collector_reads_the_packed_folder():
 def test_the_collector_copies_the_benchmark_files_a_call_changed_or_added_and_no_others(tmp_path):
     """gpu_collect.sh in a scratch repository (dvc stubbed): of the call's copy of results/bench, a file equal to
     HEAD's is left alone (a later call's copy would undo an earlier call's results), a changed one is copied, and
-    so is a new one, in a new folder too and even empty (`git show HEAD:<path>` fails for those)."""
+    so is a new one, in a new folder too and even empty (`git show HEAD:<path>` fails for those); the folder's
+    README.md, which no benchmark writes, never is (the call's copy would undo edits made since it was sent)."""
     repo = tmp_path / "repo"
     (repo / "scripts").mkdir(parents=True)
     (repo / "scripts" / "gpu_collect.sh").write_bytes((ROOT / "scripts" / "gpu_collect.sh").read_bytes())
     bench = repo / "results" / "bench"
     (bench / "rows-kernels").mkdir(parents=True)
-    for name, text in (("same.md", "same\n"), ("changed.md", "old\n"), ("rows-kernels/sub.md", "old\n")):
+    for name, text in (("same.md", "same\n"), ("changed.md", "old\n"), ("rows-kernels/sub.md", "old\n"),
+                       ("README.md", "notes\n")):
         (bench / name).write_text(text)
     git = ["git", "-c", "user.name=t", "-c", "user.email=t@t", "-C", str(repo)]
     for args in (["init", "-q"], ["add", "-A"], ["commit", "-qm", "init"]):
         subprocess.run(git + args, check=True, capture_output=True)
     (bench / "same.md").write_text("collected from an earlier call\n")  # not in HEAD: the call's copy must not undo it
+    (bench / "README.md").write_text("notes, edited since the call was sent\n")
     packed = tmp_path / "packed" / "xmc_gpu_logs"
     (packed / "bench" / "rows-kernels").mkdir(parents=True)
     (packed / "bench" / "new-card").mkdir()
     for name, text in (("same.md", "same\n"), ("changed.md", "new\n"), ("rows-kernels/sub.md", "new\n"),
-                       ("added.md", "added\n"), ("new-card/empty.md", "")):
+                       ("added.md", "added\n"), ("new-card/empty.md", ""),
+                       ("README.md", "notes, as the tree sent had them\n")):  # hand-written: never the call's
         (packed / "bench" / name).write_text(text)
     (packed / "layer.log").write_text("log\n")
     subprocess.run(["tar", "czf", str(tmp_path / "gpu_all.tgz"), "-C", str(tmp_path / "packed"), "xmc_gpu_logs"],
@@ -210,6 +214,7 @@ def test_the_collector_copies_the_benchmark_files_a_call_changed_or_added_and_no
     assert (bench / "changed.md").read_text() == "new\n" and (bench / "rows-kernels" / "sub.md").read_text() == "new\n"
     assert (bench / "added.md").read_text() == "added\n" and (bench / "new-card" / "empty.md").read_text() == ""
     assert (bench / "call1" / "layer.log").read_text() == "log\n"
+    assert (bench / "README.md").read_text() == "notes, edited since the call was sent\n"
 
 
 def test_the_counters_step_launches_the_benchmarks_kernels(steps, tmp_path):
