@@ -1,6 +1,6 @@
 // What the CUDA kernels of the uniform sparse op (uniform_sparse_cuda.cu) and their warp-per-label
-// candidates (uniform_sparse_rows_cuda.cu) share: the bf16 input type, the transposed inputs, the
-// dtype dispatch, and the switch that makes the op run the candidates.
+// candidates (uniform_sparse_rows_cuda.cu) share: the bf16 input type, the vector loads and atomics, the transposed
+// inputs, the dtype dispatch, and the switch that makes the op run the candidates.
 #pragma once
 #include <ATen/Dispatch.h>
 #include <ATen/core/Tensor.h>
@@ -33,6 +33,30 @@ __device__ __forceinline__ void load4(const Bf16* p, float (&v)[4]) {
   v[0] = __uint_as_float(q.x << 16); v[1] = __uint_as_float(q.x & 0xffff0000u);
   v[2] = __uint_as_float(q.y << 16); v[3] = __uint_as_float(q.y & 0xffff0000u);
 }
+
+// p[0..3] += v[0..3] atomically (device code, for the input backward kernels; p aligned to 4 values): a zero value
+// is skipped, so a lane with 4 zeros issues nothing; on sm_90+ a float lane with 2 or more nonzero values issues one
+// 16-byte vector atomic instead of a scalar one per value.
+// tests/cuda_on_cpu/simt.h emulates that atomic and defines XMC_SIMT_VECTOR_ATOMICS, so the sm_90 path runs there.
+template <typename T>
+__device__ __forceinline__ void atomic_add4(T* p, const T (&v)[4]) {
+#pragma unroll
+  for (int i = 0; i < 4; ++i)
+    if (v[i] != T(0)) atomicAdd(p + i, v[i]);
+}
+#if (defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900) || defined(XMC_SIMT_VECTOR_ATOMICS)
+template <>
+__device__ __forceinline__ void atomic_add4<float>(float* p, const float (&v)[4]) {
+  const int nonzero = (v[0] != 0.f) + (v[1] != 0.f) + (v[2] != 0.f) + (v[3] != 0.f);
+  if (nonzero >= 2) {
+    atomicAdd(reinterpret_cast<float4*>(p), make_float4(v[0], v[1], v[2], v[3]));
+  } else {
+#pragma unroll
+    for (int i = 0; i < 4; ++i)
+      if (v[i] != 0.f) atomicAdd(p + i, v[i]);
+  }
+}
+#endif
 
 // x (batch, in) -> xt (in, bpad), rows beyond batch zero: one connection's inputs for the whole batch
 // are one contiguous row. Its data are 16-byte aligned, so with bpad a multiple of 4 every 4 values from a

@@ -21,27 +21,6 @@ constexpr int kThreads = 128;
 // The backward kernels measured faster without this (fewer registers, higher occupancy).
 constexpr int kUnroll = 4;
 
-// p[0..3] += v[0..3] atomically; one vector atomic on sm_90+ when several lanes are nonzero.
-template <typename T>
-__device__ __forceinline__ void atomic_add4(T* p, const T (&v)[4]) {
-#pragma unroll
-  for (int i = 0; i < 4; ++i)
-    if (v[i] != T(0)) atomicAdd(p + i, v[i]);
-}
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-template <>
-__device__ __forceinline__ void atomic_add4<float>(float* p, const float (&v)[4]) {
-  const int nonzero = (v[0] != 0.f) + (v[1] != 0.f) + (v[2] != 0.f) + (v[3] != 0.f);
-  if (nonzero >= 2) {
-    atomicAdd(reinterpret_cast<float4*>(p), make_float4(v[0], v[1], v[2], v[3]));
-  } else {
-#pragma unroll
-    for (int i = 0; i < 4; ++i)
-      if (v[i] != 0.f) atomicAdd(p + i, v[i]);
-  }
-}
-#endif
-
 // Loads this label's gradient for batch rows [c0, c0 + 4V) (zero beyond batch); returns a bit
 // mask of the 4-wide groups that hold any nonzero value.
 template <typename T, int V>

@@ -5,7 +5,8 @@
 // tests/test_cuda_kernels_on_cpu.py writes a problem, runs this and compares with the reference.
 //
 //   kernels threads|rows|rows-unroll2|rows-unroll4|rows-vec|rows-dense|rows-sparse PROBLEM RESULT
-// (rows-vec: the vector forward and weight backward of the benchmark, uniform-rows-vec.)
+// (rows-vec: the vector forward and weight backward of the benchmark, uniform-rows-vec.) Prints the count of vector
+// atomics (sm_90's atomicAdd(float4*)) to stderr.
 // PROBLEM: int64 header {x kind (0 float32, 1 float64, 2 bf16 with float32 weights), batch, inputs, labels,
 // connectivity, has bias}, then x (batch, inputs), indices int32 (connectivity, labels), weight, bias if any,
 // grad_out (batch, labels), contiguous. RESULT: forward (batch, labels), grad_x (batch, inputs),
@@ -195,5 +196,6 @@ int main(int argc, char** argv) {
     case 2: run<float, Bf16>(argv[1], in, header.data(), out); break;
     default: std::fprintf(stderr, "unknown x kind %lld\n", static_cast<long long>(header[0])); return 2;
   }
+  std::fprintf(stderr, "vector atomics: %ld\n", simt::vector_atomics.load());
   return 0;
 }

@@ -149,6 +149,24 @@ template <typename T>
 T atomicAdd(T* address, T value) {
   return std::atomic_ref<T>(*address).fetch_add(value);
 }
+// sm_90's vector atomic, atomic per value (as on the GPU, not as a whole), counted for the tests
+// (kernels.cpp prints the count). The kernels' atomic_add4 uses it here as on an sm_90 GPU.
+#define XMC_SIMT_VECTOR_ATOMICS 1
+namespace simt {
+inline std::atomic<long> vector_atomics{0};
+}
+inline float4 make_float4(float x, float y, float z, float w) { return {x, y, z, w}; }
+inline float4 atomicAdd(float4* address, float4 value) {
+  if (reinterpret_cast<uintptr_t>(address) % alignof(float4) != 0) {  // a misaligned address faults on the GPU
+    std::fprintf(stderr, "atomicAdd(float4*) at a misaligned address %p\n", static_cast<void*>(address));
+    std::abort();
+  }
+  ++simt::vector_atomics;
+  float* p = &address->x;
+  const float x = atomicAdd(p, value.x), y = atomicAdd(p + 1, value.y), z = atomicAdd(p + 2, value.z),
+              w = atomicAdd(p + 3, value.w);
+  return {x, y, z, w};
+}
 template <typename T>
 T atomicExch(T* address, T value) {
   return std::atomic_ref<T>(*address).exchange(value);
