@@ -53,6 +53,9 @@ def test_rows_kernels_match_the_reference_and_the_op(ops, shape, density, dtype)
     grad_x = ops.rows_backward_input(g, idx, w, inputs)
     torch.testing.assert_close(grad_x, reference.backward_input(g, idx, w, inputs))
     torch.testing.assert_close(grad_x, op.backward_input(g, idx, w, inputs))
+    grad_x_vec = ops.rows_backward_input_vec(g, idx, w, inputs)  # 4 rows per vector atomic: another order of sums
+    torch.testing.assert_close(grad_x_vec, reference.backward_input(g, idx, w, inputs))
+    torch.testing.assert_close(grad_x_vec, grad_x)
     grad_wb = ops.rows_backward_weight(g, x, idx)  # weights and bias
     torch.testing.assert_close(grad_wb, reference.backward_weight(g, x, idx))
     torch.testing.assert_close(grad_wb, op.backward_weight(g, x, idx))
@@ -60,7 +63,7 @@ def test_rows_kernels_match_the_reference_and_the_op(ops, shape, density, dtype)
     torch.testing.assert_close(grad_wb_vec, reference.backward_weight(g, x, idx))
     torch.testing.assert_close(grad_wb_vec, grad_wb)
     if density == 0.0:  # every label skipped, nothing left unwritten
-        assert not grad_x.any() and not grad_wb[0].any() and not grad_wb[1].any()
+        assert not grad_x.any() and not grad_x_vec.any() and not grad_wb[0].any() and not grad_wb[1].any()
         assert not grad_wb_vec[0].any() and not grad_wb_vec[1].any()
 
 

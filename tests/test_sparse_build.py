@@ -189,5 +189,5 @@ def test_the_cuda_sources_compile_without_a_gpu():
     for source in build.SOURCES_CUDA:
         assert f"{Path(source).name}: compiled" in result.stdout
     for kernel in ("rows::forward_kernel<float, Bf16, 1>", "rows::forward_vec_kernel<float, Bf16>",
-                   "rows::backward_weight_vec_kernel<float, Bf16>"):
+                   "rows::backward_weight_vec_kernel<float, Bf16>", "rows::backward_input_vec_kernel<float, 2>"):
         assert kernel in result.stdout, kernel

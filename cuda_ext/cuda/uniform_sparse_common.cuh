@@ -98,8 +98,9 @@ enum KernelChoice : int {
   kRowsBackwardWeight = 4,
   kVecForward = 8,  // 8 lanes per label, 4 batch rows per lane (forward_vec_kernel)
   kVecBackwardWeight = 16,
+  kVecBackwardInput = 32,
 };
-constexpr int kAllKernelChoices = 31;
+constexpr int kAllKernelChoices = 63;
 bool chosen(KernelChoice bit);
 at::Tensor rows_forward_cuda(const at::Tensor& x, const at::Tensor& indices, const at::Tensor& weight,
                              const std::optional<at::Tensor>& bias);
@@ -107,6 +108,8 @@ at::Tensor rows_forward_vec_cuda(const at::Tensor& x, const at::Tensor& indices,
                                  const std::optional<at::Tensor>& bias);
 at::Tensor rows_backward_input_cuda(const at::Tensor& grad_out, const at::Tensor& indices, const at::Tensor& weight,
                                     int64_t in_features);
+at::Tensor rows_backward_input_vec_cuda(const at::Tensor& grad_out, const at::Tensor& indices,
+                                        const at::Tensor& weight, int64_t in_features);
 std::tuple<at::Tensor, at::Tensor> rows_backward_weight_cuda(const at::Tensor& grad_out, const at::Tensor& x,
                                                              const at::Tensor& indices);
 std::tuple<at::Tensor, at::Tensor> rows_backward_weight_vec_cuda(const at::Tensor& grad_out, const at::Tensor& x,

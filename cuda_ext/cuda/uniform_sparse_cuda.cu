@@ -46,6 +46,7 @@ at::Tensor forward_cuda(const at::Tensor& x, const at::Tensor& indices, const at
 
 at::Tensor backward_input_cuda(const at::Tensor& grad_out, const at::Tensor& indices, const at::Tensor& weight,
                                int64_t in_features) {
+  if (chosen(kVecBackwardInput)) return rows_backward_input_vec_cuda(grad_out, indices, weight, in_features);
   if (chosen(kRowsBackwardInput)) return rows_backward_input_cuda(grad_out, indices, weight, in_features);
   check_backward_input(grad_out, indices, weight);
   const c10::cuda::CUDAGuard guard(grad_out.device());

@@ -2,8 +2,8 @@
 // thread-per-label kernels (uniform_sparse_cuda.cu) by xmc_repro.bench (methods `uniform-rows` and
 // `uniform-rows-bf16`). Registered as xmc_bench::rows_forward / rows_backward_input / rows_backward_weight,
 // with the schemas of xmc_sparse::forward / backward_input / backward_weight (and the benchmark's variants
-// rows_forward_unroll2/4, rows_forward_vec and rows_backward_weight_vec); the op runs them in the phases
-// of xmc_bench::use_rows_kernels(mask), which xmc_repro.sparse.op sets from XMC_SPARSE_KERNELS (unset:
+// rows_forward_unroll2/4, rows_forward_vec, rows_backward_input_vec and rows_backward_weight_vec); the op runs them
+// in the phases of xmc_bench::use_rows_kernels(mask), which xmc_repro.sparse.op sets from XMC_SPARSE_KERNELS (unset:
 // forward and input backward; the vec variants only when named, vec:<phases>).
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -63,8 +63,10 @@ at::Tensor rows_forward_vec_cuda(const at::Tensor& x, const at::Tensor& indices,
   return rows_forward_unrolled<0>(x, indices, weight, bias);
 }
 
-at::Tensor rows_backward_input_cuda(const at::Tensor& grad_out, const at::Tensor& indices, const at::Tensor& weight,
-                                    int64_t in_features) {
+// Vec: backward_input_vec_kernel (xmc_bench::rows_backward_input_vec).
+template <bool Vec>
+at::Tensor rows_backward_input(const at::Tensor& grad_out, const at::Tensor& indices, const at::Tensor& weight,
+                               int64_t in_features) {
   check_backward_input(grad_out, indices, weight);
   const c10::cuda::CUDAGuard guard(grad_out.device());
   const int64_t batch = grad_out.size(0), conn = indices.size(0), labels = indices.size(1);
@@ -72,12 +74,23 @@ at::Tensor rows_backward_input_cuda(const at::Tensor& grad_out, const at::Tensor
   const int64_t bpad = rows::row_pad(batch);
   auto gxt = grad_out.new_zeros({in_features, bpad});
   AT_DISPATCH_FLOATING_TYPES(grad_out.scalar_type(), "rows_backward_input_cuda", [&] {
-    rows::backward_input_kernel<scalar_t><<<rows::tiles(labels), rows::kThreads, 0, c10::cuda::getCurrentCUDAStream()>>>(
+    const auto kernel = Vec ? rows::backward_input_vec_kernel<scalar_t> : rows::backward_input_kernel<scalar_t>;
+    kernel<<<rows::tiles(labels), rows::kThreads, 0, c10::cuda::getCurrentCUDAStream()>>>(
         grad_out.const_data_ptr<scalar_t>(), indices.const_data_ptr<int32_t>(), weight.const_data_ptr<scalar_t>(),
         gxt.mutable_data_ptr<scalar_t>(), batch, bpad, conn, labels);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   });
   return gxt.narrow(1, 0, batch).t().contiguous();
+}
+
+at::Tensor rows_backward_input_cuda(const at::Tensor& grad_out, const at::Tensor& indices, const at::Tensor& weight,
+                                    int64_t in_features) {
+  return rows_backward_input<false>(grad_out, indices, weight, in_features);
+}
+
+at::Tensor rows_backward_input_vec_cuda(const at::Tensor& grad_out, const at::Tensor& indices,
+                                        const at::Tensor& weight, int64_t in_features) {
+  return rows_backward_input<true>(grad_out, indices, weight, in_features);
 }
 
 // Vec: backward_weight_vec_kernel (the benchmark's xmc_bench::rows_backward_weight_vec).
@@ -123,11 +136,13 @@ TORCH_LIBRARY_FRAGMENT(xmc_bench, m) {  // the op's own schemas (schema.h), name
     if (schema.rfind("forward", 0) == 0)  // the forward's variants, for the benchmark
       for (const std::string variant : {"_unroll2", "_unroll4", "_vec"})
         m.def(("rows_forward" + variant + schema.substr(7)).c_str());
+    if (schema.rfind("backward_input", 0) == 0) m.def(("rows_backward_input_vec" + schema.substr(14)).c_str());
     if (schema.rfind("backward_weight", 0) == 0) m.def(("rows_backward_weight_vec" + schema.substr(15)).c_str());
   }
   m.def("use_rows_kernels(int phases) -> ()", [](int64_t phases) {
     TORCH_CHECK(phases >= 0 && phases <= xmc_sparse::kAllKernelChoices, "use_rows_kernels: a mask of rows forward "
-                "(1), backward_input (2), backward_weight (4), vec forward (8), backward_weight (16), got ", phases);
+                "(1), backward_input (2), backward_weight (4), vec forward (8), backward_weight (16), backward_input "
+                "(32), got ", phases);
     xmc_sparse::kernel_choices.store(static_cast<int>(phases));
   });
 }
@@ -138,6 +153,7 @@ TORCH_LIBRARY_IMPL(xmc_bench, CUDA, m) {
   m.impl("rows_forward_unroll4", &xmc_sparse::rows_forward_unrolled<4>);
   m.impl("rows_forward_vec", &xmc_sparse::rows_forward_vec_cuda);
   m.impl("rows_backward_input", &xmc_sparse::rows_backward_input_cuda);
+  m.impl("rows_backward_input_vec", &xmc_sparse::rows_backward_input_vec_cuda);
   m.impl("rows_backward_weight", &xmc_sparse::rows_backward_weight_cuda);
   m.impl("rows_backward_weight_vec", &xmc_sparse::rows_backward_weight_vec_cuda);
 }

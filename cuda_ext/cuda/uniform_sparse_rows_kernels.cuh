@@ -162,10 +162,10 @@ __global__ void __launch_bounds__(kThreads) forward_vec_kernel(
 //   nonzero row per label the dense way issues as many L2 requests (a 128-byte row with one lane active), at two up
 //   to half as many, but a warp instruction per label and connection against one per 32 labels here.
 // The choice is the block's own, from the tile it has staged: no host round trip. SparseRows = 0 (32) forces the
-// dense (sparse) way, for the tests.
+// dense (sparse) way, for the tests. Vec: the dense way in forward_vec_kernel's layout (backward_input_vec_kernel).
 constexpr int kSparseRowsPerLabel = 2;
-template <typename T, int SparseRows = kSparseRowsPerLabel>
-__global__ void __launch_bounds__(kThreads) backward_input_kernel(
+template <typename T, int SparseRows, bool Vec>
+__device__ __forceinline__ void backward_input_tiles(
     const T* __restrict__ g, const int32_t* __restrict__ idx, const T* __restrict__ w, T* __restrict__ gxt,
     int batch, int bpad, int conn, int labels) {
   __shared__ int32_t s_idx[kWarp][kTile];
@@ -221,15 +221,57 @@ __global__ void __launch_bounds__(kThreads) backward_input_kernel(
         }
         continue;
       }
+      if constexpr (Vec) {  // lane 8q + s: rows r0..r0+3 (r0 = 4s) of label q of each group of 4
+        const int q = lane / 8, r0 = 4 * (lane % 8);
 #pragma unroll
-      for (int i = 0; i < kLabelsPerWarp; ++i) {
-        if (!(active & (1u << i))) continue;
-        const int l = warp * kLabelsPerWarp + i;
-        for (int k = 0; k < kn; ++k)
-          if (gv[i] != T(0)) atomicAdd(gxt + static_cast<int64_t>(s_idx[k][l]) * bpad + c0 + lane, s_w[k][l] * gv[i]);
+        for (int grp = 0; grp < kLabelsPerWarp / 4; ++grp) {
+          if (!(active & (0xfu << 4 * grp))) continue;  // the group's 4 labels have no nonzero gradient
+          const int l = warp * kLabelsPerWarp + 4 * grp + q;
+          T g4[4];
+#pragma unroll
+          for (int i = 0; i < 4; ++i) g4[i] = s_g[r0 + i][l];  // zero beyond the batch
+          // Tested on the gradients, not on the products (0 * inf is not 0): a lane issues only when a row of its 4
+          // is within the batch, so (bpad a multiple of 8) all 4 lie within the row of gxt.
+          if (g4[0] == T(0) && g4[1] == T(0) && g4[2] == T(0) && g4[3] == T(0)) continue;
+          for (int k = 0; k < kn; ++k) {
+            const T wk = s_w[k][l];
+            const T add[4] = {wk * g4[0], wk * g4[1], wk * g4[2], wk * g4[3]};
+            atomic_add4(gxt + static_cast<int64_t>(s_idx[k][l]) * bpad + c0 + r0, add);
+          }
+        }
+      } else {
+#pragma unroll
+        for (int i = 0; i < kLabelsPerWarp; ++i) {
+          if (!(active & (1u << i))) continue;
+          const int l = warp * kLabelsPerWarp + i;
+          for (int k = 0; k < kn; ++k)
+            if (gv[i] != T(0))
+              atomicAdd(gxt + static_cast<int64_t>(s_idx[k][l]) * bpad + c0 + lane, s_w[k][l] * gv[i]);
+        }
       }
     }
   }
+}
+
+template <typename T, int SparseRows = kSparseRowsPerLabel>
+__global__ void __launch_bounds__(kThreads) backward_input_kernel(
+    const T* __restrict__ g, const int32_t* __restrict__ idx, const T* __restrict__ w, T* __restrict__ gxt,
+    int batch, int bpad, int conn, int labels) {
+  backward_input_tiles<T, SparseRows, false>(g, idx, w, gxt, batch, bpad, conn, labels);
+}
+
+// The input backward with the dense way in forward_vec_kernel's layout (xmc_bench::rows_backward_input_vec; the op
+// with XMC_SPARSE_KERNELS=vec:backward_input). backward_input_kernel's dense way, one warp-wide atomic of 32 scalar
+// floats per (label, connection), keeps the H200's L2 96.9 % busy at dense gradients (0.797 ms against a 0.289 ms
+// floor of its bytes). Here lane 8q + s adds its label's rows 4s..4s+3 with one atomic_add4 (on sm_90+ one 16-byte
+// vector atomic; 4 scalar ones for double and below sm_90): a warp instruction covers 4 labels' rows, 8 vector adds
+// per row instead of 32 scalar ones. Whether the L2 does less work that way is for the benchmark and the hardware
+// counters to say. Sparse tiles as there.
+template <typename T, int SparseRows = kSparseRowsPerLabel>
+__global__ void __launch_bounds__(kThreads) backward_input_vec_kernel(
+    const T* __restrict__ g, const int32_t* __restrict__ idx, const T* __restrict__ w, T* __restrict__ gxt,
+    int batch, int bpad, int conn, int labels) {
+  backward_input_tiles<T, SparseRows, true>(g, idx, w, gxt, batch, bpad, conn, labels);
 }
 
 // v[t] on each lane -> v[0] on lane k: the sum over lanes of v[k] (31 shuffles for 32 sums; with S = 4 on 8

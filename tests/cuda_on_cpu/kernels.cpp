@@ -4,9 +4,10 @@
 // (transposed, padded inputs; the transposed input gradient; the loss's grid and paths).
 // tests/test_cuda_kernels_on_cpu.py writes a problem, runs this and compares with the reference.
 //
-//   kernels threads|rows|rows-unroll2|rows-unroll4|rows-vec|rows-dense|rows-sparse PROBLEM RESULT
-// (rows-vec: the vector forward and weight backward of the benchmark, uniform-rows-vec.) Prints the count of vector
-// atomics (sm_90's atomicAdd(float4*)) to stderr.
+//   kernels threads|rows|rows-unroll2|rows-unroll4|rows-vec|rows-dense|rows-sparse|rows-vec-dense|rows-vec-sparse
+//           PROBLEM RESULT
+// (rows-vec: the vector kernels of the benchmark, uniform-rows-vec, in every phase; -dense and -sparse force the
+// input backward's way on every tile.) Prints the count of vector atomics (sm_90's atomicAdd(float4*)) to stderr.
 // PROBLEM: int64 header {x kind (0 float32, 1 float64, 2 bf16 with float32 weights), batch, inputs, labels,
 // connectivity, has bias}, then x (batch, inputs), indices int32 (connectivity, labels), weight, bias if any,
 // grad_out (batch, labels), contiguous. RESULT: forward (batch, labels), grad_x (batch, inputs),
@@ -103,7 +104,7 @@ void run_threads(Reader& in, const int64_t* h, std::ofstream& out) {
   p.write(out);
 }
 
-// Unroll = 0: the vector kernels (forward_vec_kernel, backward_weight_vec_kernel) in forward and weight backward.
+// Unroll = 0: the vector kernels (forward_vec_kernel, backward_input_vec_kernel, backward_weight_vec_kernel).
 template <typename T, typename TX, int Unroll, int SparseRows = rows::kSparseRowsPerLabel>
 void run_rows(Reader& in, const int64_t* h, std::ofstream& out) {
   Problem<T, TX> p(in, h, rows::row_pad(h[1]));
@@ -115,7 +116,9 @@ void run_rows(Reader& in, const int64_t* h, std::ofstream& out) {
     forward(p.xt.data(), p.idx.data(), p.w.data(), p.bias_or_null(), p.scores.data(), B, P, C, L);
   });
   simt::launch(grid, rows::kThreads, [&] {
-    rows::backward_input_kernel<T, SparseRows>(p.g.data(), p.idx.data(), p.w.data(), p.gxt.data(), B, P, C, L);
+    const auto input =
+        Unroll == 0 ? rows::backward_input_vec_kernel<T, SparseRows> : rows::backward_input_kernel<T, SparseRows>;
+    input(p.g.data(), p.idx.data(), p.w.data(), p.gxt.data(), B, P, C, L);
   });
   simt::launch(grid, rows::kThreads, [&] {
     const auto weight = Unroll == 0 ? rows::backward_weight_vec_kernel<T, TX> : rows::backward_weight_kernel<T, TX>;
@@ -132,8 +135,12 @@ void run(const std::string& family, Reader& in, const int64_t* h, std::ofstream&
     run_rows<T, TX, 2>(in, h, out);
   } else if (family == "rows-unroll4") {
     run_rows<T, TX, 4>(in, h, out);
-  } else if (family == "rows-vec") {  // and xmc_bench::rows_forward_vec, rows_backward_weight_vec
+  } else if (family == "rows-vec") {  // and xmc_bench::rows_forward_vec, rows_backward_input_vec, ..._weight_vec
     run_rows<T, TX, 0>(in, h, out);
+  } else if (family == "rows-vec-dense") {
+    run_rows<T, TX, 0, 0>(in, h, out);
+  } else if (family == "rows-vec-sparse") {
+    run_rows<T, TX, 0, 32>(in, h, out);
   } else if (family == "rows-dense") {  // the input backward's two ways, each forced on every tile
     run_rows<T, TX, 1, 0>(in, h, out);
   } else if (family == "rows-sparse") {
@@ -141,8 +148,8 @@ void run(const std::string& family, Reader& in, const int64_t* h, std::ofstream&
   } else if (family == "threads") {
     run_threads<T, TX>(in, h, out);
   } else {
-    throw std::runtime_error("kernel family must be threads, rows, rows-unroll2, rows-unroll4, rows-vec, rows-dense "
-                             "or rows-sparse, not " + family);
+    throw std::runtime_error("kernel family must be threads, rows, rows-unroll2, rows-unroll4, rows-vec, rows-dense, "
+                             "rows-sparse, rows-vec-dense or rows-vec-sparse, not " + family);
   }
 }
 
@@ -176,8 +183,8 @@ void run_hinge(Reader& in, const int64_t* h, std::ofstream& out) {
 
 int main(int argc, char** argv) {
   if (argc != 4) {
-    std::fprintf(stderr, "usage: %s threads|rows|rows-unroll2|rows-unroll4|rows-vec|rows-dense|rows-sparse|hinge "
-                 "PROBLEM RESULT\n", argv[0]);
+    std::fprintf(stderr, "usage: %s threads|rows|rows-unroll2|rows-unroll4|rows-vec|rows-dense|rows-sparse|"
+                 "rows-vec-dense|rows-vec-sparse|hinge PROBLEM RESULT\n", argv[0]);
     return 2;
   }
   std::ifstream file(argv[2], std::ios::binary);
