@@ -130,19 +130,21 @@ def _kernels_run(prof) -> dict[str, str]:
     return found
 
 
+@pytest.mark.parametrize("setting", ["vec:forward,backward_weight", "vec:forward,backward_input,backward_weight",
+                                     "vec:backward_input"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16], ids=["f32", "f64", "bf16"])
 @pytest.mark.parametrize("shape", [(1, 7, 5, 3), (5, 300, 1001, 7), (33, 70, 95, 33), (70, 128, 200, 64)],
                          ids=lambda s: "x".join(map(str, s)))
-def test_the_op_on_the_vector_kernels_matches_the_reference_through_autograd(ops, shape, dtype):
-    """XMC_SPARSE_KERNELS=vec:forward,backward_weight, set here in-process: the op's forward and both backward
-    passes through autograd against the reference, on the vector kernels (the input gradient a thread per label)."""
+def test_the_op_on_the_vector_kernels_matches_the_reference_through_autograd(ops, shape, dtype, setting):
+    """XMC_SPARSE_KERNELS=`setting`, set here in-process: the op's forward and both backward passes through autograd
+    against the reference, on the vector kernels in the phases named (a thread per label in the others)."""
     batch, inputs, labels, connectivity = shape
     wdtype = torch.float32 if dtype == torch.bfloat16 else dtype
     x, idx, w, b, g = _problem(*shape, 0.3, wdtype, seed=sum(shape))
     x = x.to(dtype)
     xr = x.float() if dtype == torch.bfloat16 else x  # bf16 inputs are gathered as they are, summed in float32
     tol = {"rtol": 1e-5, "atol": 1e-5} if dtype == torch.bfloat16 else {}
-    ops.use_rows_kernels(kernels_mask(kernel_families("vec:forward,backward_weight")))
+    ops.use_rows_kernels(kernels_mask(kernel_families(setting)))
     try:
         xg, wg, bg = (t.clone().requires_grad_() for t in (x, w, b))
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
@@ -151,7 +153,7 @@ def test_the_op_on_the_vector_kernels_matches_the_reference_through_autograd(ops
             torch.cuda.synchronize()
     finally:
         ops.use_rows_kernels(kernels_mask(kernel_families(os.environ.get("XMC_SPARSE_KERNELS"))))
-    assert _kernels_run(prof) == {"forward": "vec", "backward_input": "threads", "backward_weight": "vec"}
+    assert _kernels_run(prof) == kernel_families(setting)
     torch.testing.assert_close(out, reference.forward(xr, idx, w, b), **tol)
     torch.testing.assert_close(xg.grad, reference.backward_input(g, idx, w, inputs).to(dtype))  # in x's dtype
     grad_w, grad_b = reference.backward_weight(g, xr, idx)
@@ -165,9 +167,11 @@ def test_the_op_on_the_vector_kernels_matches_the_reference_through_autograd(ops
     ("rows", "compiled-cuda-rows", "rows rows rows"),
     ("rows:backward_input", "compiled-cuda-rows:backward_input", "threads rows threads"),
     ("rows:backward_weight,forward", "compiled-cuda-rows:forward,backward_weight", "rows threads rows"),
-    # the vector kernels (their in-process test above covers vec:forward,backward_weight)
+    # the vector kernels (their in-process test above covers more settings)
     ("vec:backward_weight+rows:backward_input,forward", "compiled-cuda-rows:forward,backward_input+vec:backward_weight",
-     "rows rows vec")])
+     "rows rows vec"),
+    ("vec:backward_input", "compiled-cuda-vec:backward_input", "threads vec threads"),
+    ("rows:forward+vec:backward_input", "compiled-cuda-rows:forward+vec:backward_input", "rows vec threads")])
 def test_the_op_runs_the_kernels_asked_in_each_phase(ops, setting, name, families):
     """XMC_SPARSE_KERNELS: the op runs the kernels named in each phase (unset: the default's; a fresh process: the
     switch is set when the op registers), through autograd as in training; the backend says so, and the profiler

@@ -62,11 +62,15 @@ MIXED = "rows:backward_input+vec:forward,backward_weight"
     ("vec:forward+rows:backward_input+vec:backward_weight", (V, R, V), 26, MIXED),
     (" VEC:forward + rows:backward_input,backward_weight ", (V, R, R), 14,
      "rows:backward_input,backward_weight+vec:forward"),
+    ("vec:backward_input", (T, V, T), 32, "vec:backward_input"),
+    ("vec:forward,backward_input,backward_weight", (V, V, V), 56, "vec:forward,backward_input,backward_weight"),
+    ("rows:forward+vec:backward_input,backward_weight", (R, V, V), 49,
+     "rows:forward+vec:backward_input,backward_weight"),
 ])
 def test_kernels_setting_names_each_phases_kernels(setting, families, mask, name):
     """XMC_SPARSE_KERNELS -> {phase: family}, the mask the CUDA library's switch takes (1, 2, 4: rows in forward,
-    input and weight backward; 8, 16: vec in forward and weight backward), and the backend's name, which spells the
-    setting out in one way."""
+    input and weight backward; 8, 16, 32: vec in forward, weight and input backward), and the backend's name, which
+    spells the setting out in one way."""
     from xmc_repro.sparse.op import ROWS_PHASES, cuda_backend, kernel_families, kernels_mask, kernels_setting
 
     got = kernel_families(setting)
@@ -94,8 +98,7 @@ FORMS = (r"must be threads, rows, or rows:<phases> and/or vec:<phases> joined by
     ("rows:", FORMS), ("rows:fwd", FORMS), ("forward", FORMS), ("rows:forward,,backward_input", FORMS),
     ("vec", FORMS), ("threads:forward", FORMS), ("rows+vec:forward", FORMS), ("rows:forward+", FORMS),
     ("fast", FORMS), ("vec:forward;rows:backward_input", FORMS),
-    ("vec:backward_input", r": vec has no backward_input kernel \(it has forward, backward_weight\)$"),
-    ("rows:backward_input+vec:backward_input,forward", r": vec has no backward_input kernel"),
+    ("rows:backward_input+vec:backward_input,forward", r" names backward_input for both rows and vec: one family"),
     ("rows:forward+vec:forward", r" names forward for both rows and vec: one family per phase$"),
     ("vec:backward_weight+rows:backward_weight", r" names backward_weight for both vec and rows: one family"),
 ])
@@ -108,6 +111,19 @@ def test_a_bad_kernels_setting_is_refused_in_one_line(bad, message):
     text = str(info.value)
     assert "\n" not in text and text.startswith(f"XMC_SPARSE_KERNELS={bad!r}")
     assert re.search(message, text), text
+
+
+def test_a_family_without_a_phases_kernel_is_refused(monkeypatch):
+    """Both families have a kernel in every phase; a family that lacks one (as vec once lacked the input backward)
+    is refused by name, with the phases it has."""
+    from xmc_repro.sparse import op
+    from xmc_repro.sparse.checks import SparseInputError
+
+    assert {phase for family, phase in op.KERNEL_BITS if family == "vec"} == set(op.ROWS_PHASES)
+    monkeypatch.delitem(op.KERNEL_BITS, ("vec", "backward_input"))
+    with pytest.raises(SparseInputError, match=r"^XMC_SPARSE_KERNELS='rows:forward\+vec:backward_input': vec has no "
+                       r"backward_input kernel \(it has forward, backward_weight\)$"):
+        op.kernel_families("rows:forward+vec:backward_input")
 
 
 @pytest.mark.slow

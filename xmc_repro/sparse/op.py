@@ -34,11 +34,11 @@ _FLOATS = (torch.float32, torch.float64)
 # The CUDA kernels' phases, in the order XMC_SPARSE_KERNELS and the backend name list them.
 ROWS_PHASES = ("forward", "backward_input", "backward_weight")
 # The kernel families a phase can hand over to (a phase not handed over runs a thread per label,
-# cuda_ext/cuda/uniform_sparse_kernels.cuh): a warp per label (`rows`, uniform_sparse_rows_kernels.cuh) in every
-# phase, 8 lanes per label with 4 batch rows per lane (`vec`, there too) in forward and weight backward only; each
-# (family, phase) with its bit in xmc_bench::use_rows_kernels' mask (KernelChoice, uniform_sparse_common.cuh).
+# cuda_ext/cuda/uniform_sparse_kernels.cuh): a warp per label (`rows`, uniform_sparse_rows_kernels.cuh) and 8 lanes
+# per label with 4 batch rows per lane (`vec`, there too), each in every phase; each (family, phase) with its bit in
+# xmc_bench::use_rows_kernels' mask (KernelChoice, uniform_sparse_common.cuh).
 KERNEL_BITS = {("rows", "forward"): 1, ("rows", "backward_input"): 2, ("rows", "backward_weight"): 4,
-               ("vec", "forward"): 8, ("vec", "backward_weight"): 16}
+               ("vec", "forward"): 8, ("vec", "backward_weight"): 16, ("vec", "backward_input"): 32}
 FAMILIES = ("rows", "vec")
 # The op's kernels by default: the fastest mix in an epoch at Amazon-670K's shape on an H200 (median step 1.77 ms
 # against 2.27 ms on the thread-per-label kernels and 1.98 ms all on rows; README). The vec kernels are untimed.
