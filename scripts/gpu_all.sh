@@ -7,8 +7,8 @@
 # 3. the layer benchmark at the headline shape (670,091 labels, 16,384 inputs, 32, batch 32; squared-hinge and BCE
 #    gradients), float32 and bf16 inputs, the op on its thread-per-label kernels (XMC_SPARSE_KERNELS=threads)
 #    beside the warp-per-label ones (uniform-rows; and their forward with 2 or 4 connections' gathers in flight,
-#    uniform-rows-unroll2/4; their forward and weight gradient with 4 batch rows per lane, uniform-rows-vec and
-#    uniform-rows-vec-bf16), torch CSR and dense, with the L2 read bandwidth of the probe kernel; its last line
+#    uniform-rows-unroll2/4; their kernels with 4 batch rows per lane, uniform-rows-vec (every phase) and
+#    uniform-rows-vec-bf16 (forward, weight gradient)), torch CSR and dense, with the L2 read bandwidth of the probe kernel; its last line
 #    names the faster kernels per phase; then each of those kernels once under ncu, where the machine has it
 #    (step `counters`, scripts/gpu_kernel_counters.py: L1, L2 and DRAM throughput, occupancy, warp stalls),
 # 4. memory: 20,000 points of the pipeline at Amazon-670K's shape with a rewiring every 50 steps, graphed and

@@ -33,6 +33,8 @@ RUNS = (
     ("uniform-rows-vec-bf16", "forward", "hinge"),
     ("uniform-rows", "backward_input", "hinge"),
     ("uniform-rows", "backward_input", "bce"),
+    ("uniform-rows-vec", "backward_input", "hinge"),
+    ("uniform-rows-vec", "backward_input", "bce"),
     ("uniform-rows", "backward_weight", "hinge"),
     ("uniform-rows-vec", "backward_weight", "hinge"),
 )

@@ -220,7 +220,7 @@ def test_the_candidate_kernels_are_benchmarked_beside_the_op_and_compute_what_it
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
-def test_the_vector_kernels_are_timed_in_forward_and_weight_gradient_and_compute_what_the_reference_does():
+def test_the_vector_kernels_are_timed_in_their_phases_and_compute_what_the_reference_does():
     from xmc_repro.sparse import op
 
     if not op.backend("cuda").startswith("compiled-cuda"):
@@ -228,9 +228,14 @@ def test_the_vector_kernels_are_timed_in_forward_and_weight_gradient_and_compute
     device = torch.device("cuda")
     case = bench.Case(300, 64, 5, 37, "bce", ("uniform",))
     p = bench.make_problem(case, device)
+    want = {bench.VEC[0]: {"forward", "backward_input", "backward_weight"},
+            bench.VEC[1]: {"forward", "backward_weight"}}  # the input gradient reads no inputs: float32 only
     for name in bench.VEC:
         phases = bench.build_method(name, case, p, device)
-        assert set(phases) == {"forward", "backward_weight"}, name
+        assert set(phases) == want[name], name
+        if "backward_input" in phases:
+            torch.testing.assert_close(phases["backward_input"](),
+                                       reference.backward_input(p["g"], p["idx"], p["w"], case.inputs))
         x = p["x"].bfloat16().float() if name.endswith("bf16") else p["x"]
         torch.testing.assert_close(phases["forward"](), reference.forward(x, p["idx"], p["w"], p["b"]),
                                    rtol=1e-5, atol=1e-5)
@@ -238,7 +243,7 @@ def test_the_vector_kernels_are_timed_in_forward_and_weight_gradient_and_compute
                                    rtol=1e-5, atol=1e-5)
     rows = bench.run_case(case, device, 1e12, warmup=1, repeats=2, methods=set(bench.VEC), l2=5e12)
     assert {(r["method"], r["phase"]) for r in rows if "ms" in r} == {
-        (m, phase) for m in bench.VEC for phase in ("forward", "backward_weight")}
+        (m, phase) for m in bench.VEC for phase in want[m]}
 
 
 def timed(case, method, **ms):
@@ -265,8 +270,8 @@ def test_kernels_choice_picks_each_phases_faster_kernels_over_the_cases_that_tim
     assert kernels_choice([r for r in rows if r["method"] != ROWS]) is None
 
 
-def test_kernels_choice_weighs_the_vector_kernels_in_forward_and_weight_backward():
-    """uniform-rows-vec (float32) is a third candidate in the phases it has; its bf16 method is not (the op's own
+def test_kernels_choice_weighs_the_vector_kernels_in_the_phases_they_timed():
+    """uniform-rows-vec (float32) is a third candidate in the phases it timed; its bf16 method is not (the op's own
     method, `uniform`, takes float32 inputs). The choice is an XMC_SPARSE_KERNELS value the op takes."""
     from xmc_repro.bench import ROWS, VEC, kernels_choice
     from xmc_repro.sparse.op import kernel_families
@@ -297,6 +302,18 @@ def test_kernels_choice_weighs_the_vector_kernels_in_forward_and_weight_backward
     assert kernels_choice(base + timed("bce", VEC[0], forward=0.1)
                           + timed("extra", "uniform", forward=1.0) + timed("extra", VEC[0], forward=0.0)) == (
         "rows:backward_input+vec:forward")
+    # the input backward (sums: threads 2.39, rows 1.20): vec where it is faster than both, a tie keeps rows
+    for (bi_h, bi_b), want in {(0.15, 0.90): "rows:forward+vec:backward_input",
+                               (0.25, 1.00): "rows:forward,backward_input",
+                               (0.20, 1.00): "rows:forward,backward_input"}.items():
+        vec = (timed("hinge", VEC[0], backward_input=bi_h) + timed("bce", VEC[0], backward_input=bi_b)
+               + timed("hinge", VEC[1], backward_input=0.01))
+        got = kernels_choice(base + vec)
+        assert got == want, (bi_h, bi_b)
+        kernel_families(got)
+    assert kernels_choice(base + timed("hinge", VEC[0], forward=0.1, backward_input=0.1, backward_weight=0.1)
+                          + timed("bce", VEC[0], forward=0.1, backward_input=0.1, backward_weight=0.1)) == (
+        "vec:forward,backward_input,backward_weight")
 
 
 @pytest.mark.parametrize("model", [False, True])

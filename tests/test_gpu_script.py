@@ -228,8 +228,8 @@ def test_the_counters_step_launches_the_benchmarks_kernels(steps, tmp_path):
     spec.loader.exec_module(counters)
     for method, phase, grad in counters.RUNS:
         assert method in bench.ALL + bench.ON_REQUEST and grad in ("hinge", "bce"), method
-        phases = (("forward",) if method in bench.UNROLLED else ("forward", "backward_weight") if method in bench.VEC
-                  else bench.PHASES)
+        phases = (("forward",) if method in bench.UNROLLED else ("forward", "backward_weight") if method == bench.VEC[1]
+                  else ("forward", "backward_input", "backward_weight") if method == bench.VEC[0] else bench.PHASES)
         assert phase in phases, (method, phase)
     # Under ncu where the machine has one (a CUDA toolkit in /usr/local/cuda* has, maybe here too): the exact command
     # from a stand-in ncu first on PATH.
@@ -251,16 +251,19 @@ def test_the_counters_step_launches_the_benchmarks_kernels(steps, tmp_path):
 
 def test_the_summary_keeps_the_counters_kernel_names():
     """ncu heads each kernel's sections with its demangled name, `void ` first for a template; the summary dropped
-    those lines, leaving 12 blocks of counters that named no kernel."""
+    those lines, leaving 12 blocks of counters that named no kernel, and then the vector kernels' (*_vec_kernel)."""
     pattern = re.search(r'grep -E "([^"]+)" "\$LOGS/counters.log"', SCRIPT.read_text()).group(1)
     log = ("launched: uniform-rows backward_input hinge\n"
            "  void xmc_sparse::rows::backward_input_kernel<float, 2>(const T1 *, const int *, const T1 *, T1 *, int, "
            "int, int, int) (20941, 1, 1)x(128, 1, 1), Context 1, Stream 7, Device 0, CC 9.0\n"
            "    Section: GPU Speed Of Light Throughput\n"
            "    Duration                         us        51.23\n"
-           "    DRAM Frequency                  Ghz         2.62\n")
+           "    DRAM Frequency                  Ghz         2.62\n"
+           "launched: uniform-rows-vec backward_input bce\n"
+           "  void xmc_sparse::rows::backward_input_vec_kernel<float, 2>(const T1 *, const int *, const T1 *, T1 *, "
+           "int, int, int, int) (20941, 1, 1)x(128, 1, 1), Context 1, Stream 7, Device 0, CC 9.0\n")
     kept = subprocess.run(["grep", "-E", pattern], input=log, capture_output=True, text=True).stdout.splitlines()
-    assert [line.split()[0] for line in kept] == ["launched:", "void", "Duration"]
+    assert [line.split()[0] for line in kept] == ["launched:", "void", "Duration", "launched:", "void"]
 
 
 def test_the_summary_keeps_the_name_of_every_kernel_of_the_op():

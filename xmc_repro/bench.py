@@ -68,8 +68,9 @@ BF16, ROWS, ROWS_BF16 = "uniform-bf16", "uniform-rows", "uniform-rows-bf16"
 # The warp-per-label forward with 2 or 4 connections' gathers issued before their sums (forward only): whether
 # more gathers in flight speed it up (cuda_ext/README.md)
 UNROLLED = ("uniform-rows-unroll2", "uniform-rows-unroll4")
-# The warp-per-label forward and weight gradient with 8 lanes per label, each gathering 4 batch values in one vector
-# load (forward and backward_weight only; float32 and bf16 inputs): fewer instructions per gathered value
+# The warp-per-label kernels with 8 lanes per label and 4 batch values per lane: forward and weight gradient gather
+# them in one vector load (float32 and bf16 inputs), fewer instructions per gathered value; the input gradient adds
+# them with one vector atomic on sm_90+ (float32 method only: it reads no inputs, bf16 would time it again)
 VEC = ("uniform-rows-vec", "uniform-rows-vec-bf16")
 ON_REQUEST = (BF16, ROWS, ROWS_BF16, *UNROLLED, *VEC)
 
@@ -233,8 +234,11 @@ def build_method(name: str, case: Case, p: dict, device) -> dict:
         return {"forward": lambda: unrolled(x, idx, w, b)}
     if name in VEC:
         xin = x.bfloat16() if name.endswith("bf16") else x
-        return {"forward": lambda: torch.ops.xmc_bench.rows_forward_vec(xin, idx, w, b),
-                "backward_weight": lambda: torch.ops.xmc_bench.rows_backward_weight_vec(g, xin, idx)}
+        phases = {"forward": lambda: torch.ops.xmc_bench.rows_forward_vec(xin, idx, w, b),
+                  "backward_weight": lambda: torch.ops.xmc_bench.rows_backward_weight_vec(g, xin, idx)}
+        if name == VEC[0]:
+            phases["backward_input"] = lambda: torch.ops.xmc_bench.rows_backward_input_vec(g, idx, w, case.inputs)
+        return phases
     if name in ON_REQUEST:
         xin = x.bfloat16() if name.endswith("bf16") else x
         ops, prefix = (torch.ops.xmc_sparse, "") if name == BF16 else (torch.ops.xmc_bench, "rows_")
@@ -481,9 +485,9 @@ CANDIDATES = {ROWS: "rows", VEC[0]: "vec"}
 
 def kernels_choice(rows: list[dict], op: str = "uniform") -> str | None:
     """The `XMC_SPARSE_KERNELS` value that runs each phase on whichever kernels took least time in `rows`: `op` (a
-    thread per label) or a method of `CANDIDATES` (the vec one in forward and weight backward only), summed per
-    phase over the cases that timed `op` and every candidate timed beside it; None when no case timed a candidate
-    beside `op`. A tie keeps the thread-per-label kernels."""
+    thread per label) or a method of `CANDIDATES` (in each phase it timed), summed per phase over the cases that
+    timed `op` and every candidate timed beside it; None when no case timed a candidate beside `op`. A tie keeps the
+    thread-per-label kernels."""
     times = {(r["case"], r["method"], r["phase"]): r["ms"] for r in rows if "ms" in r}
     families, compared = {}, False
     for phase in sparse_op.ROWS_PHASES:
