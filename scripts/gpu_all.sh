@@ -10,7 +10,8 @@
 #    uniform-rows-unroll2/4; their kernels with 4 batch rows per lane, uniform-rows-vec (every phase) and
 #    uniform-rows-vec-bf16 (forward, weight gradient)), torch CSR and dense, with the L2 read bandwidth of the probe
 #    kernel; its last line names the faster kernels per phase; then each of those kernels once under ncu, where
-#    the machine has it (step `counters`, scripts/gpu_kernel_counters.py: L1, L2 and DRAM throughput, occupancy, warp stalls),
+#    the machine has it (step `counters`, scripts/gpu_kernel_counters.py: L1, L2 and DRAM throughput, occupancy,
+#    warp stalls),
 # 4. memory: 20,000 points of the pipeline at Amazon-670K's shape with a rewiring every 50 steps, graphed and
 #    eager (trainer.cuda_graph=false), each with what was allocated at its peak (trainer.memory_report),
 # 5. the whole-model step, dense beside uniform (eager, CUDA graph, Lightning; 32-true and bf16-mixed), Amazon-670K
