@@ -53,8 +53,9 @@
 # What the README's targets table lists as not yet run, in one call (step times of the H200 call at 228b070:
 # build 47 s, tests 130 s, layer 21 s, counters 31 s, an epoch 73 s, the dense one on 50,000 points 78 s; carry .whl):
 # the vector kernels in the tests, timed per phase and under the counters, and an epoch on the benchmark's fastest
-# mix where that is not the default (epoch-mixed-32-true), beside the default's and the dense model's (about 480 s):
-#   BUDGET_S=560 DENSE_POINTS=50000 SKIP="memory-graph-true memory-graph-false model model-rows
+# mix where that is not the default (epoch-mixed-32-true), beside the default's and the dense model's (about 520 s:
+# the vector kernels add `cuda` tests and kernels under ncu; run it with a 600 s limit):
+#   BUDGET_S=575 DENSE_POINTS=50000 SKIP="memory-graph-true memory-graph-false model model-rows
 #   epoch-threads-32-true epoch-rows-32-true epoch-bf16-mixed" bash scripts/gpu_all.sh
 # Then, as time allows, the model step on the layer step's choice (its last line):
 #   XMC_SPARSE_KERNELS=<that choice> python3 -m xmc_repro.bench --model --device cuda --steps 50
@@ -98,14 +99,14 @@ step build 150 env XMC_SPARSE_BACKEND=compiled python3 -c "
 import time; t = time.time()
 from xmc_repro.sparse import build, op
 print(op.ensure_registered(), 'archs', build.cuda_archs(), f'first load (compile) {time.time() - t:.0f} s')"
-step tests 200 python3 -m pytest -m cuda ${TESTS:-tests} -q -p no:cacheprovider
+step tests 240 python3 -m pytest -m cuda ${TESTS:-tests} -q -p no:cacheprovider
 # the op on its thread-per-label kernels in every phase, beside the warp-per-label ones: which is faster where
 step layer 100 env XMC_SPARSE_KERNELS=threads python3 -m xmc_repro.bench --device cuda --out results/bench \
   --max-cases ${LAYER_CASES:-2} \
   --methods uniform,uniform-bf16,uniform-rows,uniform-rows-bf16,uniform-rows-unroll2,uniform-rows-unroll4,uniform-rows-vec,uniform-rows-vec-bf16,csr,dense
 # what bounds each of those kernels, from the hardware counters (ncu, where the machine has it; else they only run)
 NCU=$(command -v ncu || ls /usr/local/cuda*/bin/ncu /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
-step counters 120 env XMC_SPARSE_KERNELS=threads ${NCU:+"$NCU" --kernel-name-base demangled --kernel-name \
+step counters 150 env XMC_SPARSE_KERNELS=threads ${NCU:+"$NCU" --kernel-name-base demangled --kernel-name \
   regex:xmc_sparse:: --clock-control none --section SpeedOfLight --section MemoryWorkloadAnalysis --section \
   MemoryWorkloadAnalysis_Tables --section WarpStateStats --section Occupancy --section LaunchStats} \
   python3 scripts/gpu_kernel_counters.py
