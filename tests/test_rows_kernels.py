@@ -5,6 +5,7 @@ sources, all-zero and dense gradients, float32, float64 and bf16 inputs."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
@@ -30,6 +31,16 @@ def ops():
     if not backend("cuda").startswith("compiled-cuda"):
         pytest.skip("the candidate kernels need the compiled CUDA kernels")
     return torch.ops.xmc_bench
+
+
+@contextlib.contextmanager
+def _kernels(ops, setting: str):
+    """The op on the kernels XMC_SPARSE_KERNELS=`setting` names, in this process, then back on the environment's."""
+    ops.use_rows_kernels(kernels_mask(kernel_families(setting)))
+    try:
+        yield
+    finally:
+        ops.use_rows_kernels(kernels_mask(kernel_families(os.environ.get("XMC_SPARSE_KERNELS"))))
 
 
 def _problem(*args, **kwargs):
@@ -99,13 +110,10 @@ def test_kernels_with_vector_loads_take_an_input_whose_storage_starts_unaligned(
     want_out, want_wb = reference.forward(xr, idx, w, b), reference.backward_weight(g, xr, idx)
     torch.testing.assert_close(ops.rows_forward_vec(x, idx, w, b), want_out, **tol)
     torch.testing.assert_close(ops.rows_backward_weight_vec(g, x, idx), want_wb, **tol)
-    ops.use_rows_kernels(0)  # XMC_SPARSE_KERNELS=threads, in this process
-    try:
+    with _kernels(ops, "threads"):
         torch.testing.assert_close(torch.ops.xmc_sparse.forward(x, idx, w, b), want_out, **tol)
         torch.testing.assert_close(torch.ops.xmc_sparse.backward_weight(g, x, idx), want_wb, **tol)
         torch.cuda.synchronize()  # a misaligned load fails the launch, reported here
-    finally:
-        ops.use_rows_kernels(kernels_mask(kernel_families(os.environ.get("XMC_SPARSE_KERNELS"))))
 
 
 def test_rows_kernels_check_their_inputs_as_the_op_does(ops):
@@ -144,15 +152,12 @@ def test_the_op_on_the_vector_kernels_matches_the_reference_through_autograd(ops
     x = x.to(dtype)
     xr = x.float() if dtype == torch.bfloat16 else x  # bf16 inputs are gathered as they are, summed in float32
     tol = {"rtol": 1e-5, "atol": 1e-5} if dtype == torch.bfloat16 else {}
-    ops.use_rows_kernels(kernels_mask(kernel_families(setting)))
-    try:
+    with _kernels(ops, setting):
         xg, wg, bg = (t.clone().requires_grad_() for t in (x, w, b))
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
             out = uniform_sparse_linear(xg, idx, wg, bg)
             out.backward(g)
             torch.cuda.synchronize()
-    finally:
-        ops.use_rows_kernels(kernels_mask(kernel_families(os.environ.get("XMC_SPARSE_KERNELS"))))
     assert _kernels_run(prof) == kernel_families(setting)
     torch.testing.assert_close(out, reference.forward(xr, idx, w, b), **tol)
     torch.testing.assert_close(xg.grad, reference.backward_input(g, idx, w, inputs).to(dtype))  # in x's dtype
